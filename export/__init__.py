@@ -1,0 +1,1 @@
+"""specrt.export: torch model definitions, checkpoint loading and (later) ONNX export."""

@@ -1,0 +1,17 @@
+"""One error type for everything a user can get wrong.
+
+Every `SpecrtError` names the problem and the fix, so the CLI can print two lines and exit instead
+of a traceback. Library code raises it for bad input (files, configs, parameters); genuine bugs
+still raise ordinary exceptions so they keep their tracebacks.
+"""
+
+from __future__ import annotations
+
+
+class SpecrtError(Exception):
+    """A user-facing error: `problem` says what is wrong, `fix` says what to do about it."""
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem}\n  fix: {fix}" if fix else problem)

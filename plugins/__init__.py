@@ -1,0 +1,1 @@
+"""specrt.plugins: custom ops (TreeAttention, ConfidenceTruncate) arrive with the export issue."""

@@ -1,0 +1,1 @@
+"""specrt.runtime: generation loops, sampling, KV cache, backends and the `specrt` CLI."""

@@ -1,0 +1,1 @@
+"""Engine backends: torch now; ONNX Runtime and TensorRT arrive with their issues."""

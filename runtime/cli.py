@@ -1,0 +1,44 @@
+"""The `specrt` console script: one parser, one module per subcommand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. A `SpecrtError`
+(bad input) prints its problem and fix and exits 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "generate": ("specrt.runtime.cli_generate", "generate text with a target (and, later, a drafter)"),
+    "doctor": ("specrt.runtime.cli_doctor", "show what this machine can run and where the default model is"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specrt", description="speculative decoding runtime")
+    subs = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specrt.export.errors import SpecrtError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
+    except SpecrtError as err:
+        print(f"specrt {args.command}: error: {err.problem}", file=sys.stderr)
+        if err.fix:
+            print(f"  fix: {err.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

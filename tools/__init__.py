@@ -1,0 +1,1 @@
+"""specrt.tools: training, data building, benchmarks and comparison scripts."""
