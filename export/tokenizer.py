@@ -122,7 +122,7 @@ class ChatTokenizer:
 
 def eos_ids_for(tokenizer: Tokenizer, declared: list[int]) -> list[int]:
     """Declared eos plus the chat end-of-turn markers the vocabulary has (chat models stop on them)."""
-    ids = list(declared)
+    ids = list(dict.fromkeys(declared))
     for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "</s>"):
         token_id = tokenizer.token_to_id(marker)
         if token_id is not None and token_id not in ids:

@@ -124,7 +124,8 @@ def read_tensors(reader, source: str) -> dict[str, np.ndarray]:
                 f"{source}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {err}",
                 "the file is truncated or uses a quantization the gguf package cannot dequantize",
             ) from None
-        out[tensor.name] = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        # np.array copies: the reader memory-maps the file read-only
+        out[tensor.name] = np.array(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
     return out
 
 
@@ -154,7 +155,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Lla
                 array = _unpermute_rope_rows(array, cfg.num_heads)
             elif permute and rest == "attn_k.weight":
                 array = _unpermute_rope_rows(array, cfg.num_kv_heads)
-            state[f"layers.{index}.{_LAYER_NAMES[rest]}"] = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+            state[f"layers.{index}.{_LAYER_NAMES[rest]}"] = torch.from_numpy(np.ascontiguousarray(array))
     from specrt.export.checkpoints.hf import load_state_into
 
     model = LlamaModel(cfg)

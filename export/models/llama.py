@@ -15,7 +15,9 @@ Call contract (shared by prefill, decode and tree verification; DESIGN.md sectio
 
     logits       [B, R, V]     float32
     taps         [B, T, n_taps * H]    hidden_states[i] for i in `tap_layers`, concatenated
-                                       (hidden_states[0] = embeddings, [i] = output of layer i-1)
+                                       (hidden_states[0] = embeddings, [i] = output of layer i-1;
+                                       [L] is the last layer's raw output, before the final norm,
+                                       unlike transformers' last hidden state)
 
 The per-step cost does not include copying the cache: K/V of the new tokens are scattered into
 their slots and attention reads a window (a view) of the cache.
