@@ -30,6 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--capacity", type=int, default=None, help="KV cache slots (default: prompt + max-new-tokens + margin)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    d = p.add_argument_group("speculative decoding")
+    d.add_argument("--drafter", default="none", choices=["none", "eagle3", "dflash", "dspark"])
+    d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
+    d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
+    d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
+    d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
+    d.add_argument("--confidence-threshold", type=float, default=0.1,
+                   help="DSpark: verify drafts while their survival probability stays above this")
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -44,7 +52,12 @@ def run(args: argparse.Namespace) -> int:
     from specrt.runtime.stats import summary_line
     from specrt.runtime.streaming import TextStream
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
+    from specrt.runtime.proposers.factory import DraftOptions, load_proposer
+    from specrt.runtime.speculative import generate_speculative
+
+    # validate everything cheap before loading anything
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    options = DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
     if args.threads:
@@ -55,14 +68,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"loaded {target.name} from {target.source} in {target.load_seconds:.1f}s", file=sys.stderr)
     tok = target.tokenizer
     ids = tok.encode(prompt) if args.no_chat_template else tok.encode_chat(prompt, args.system)
+    proposer = None
+    if args.drafter != "none":
+        proposer = load_proposer(args.drafter, args.drafter_ckpt, model, options)
+        print(f"drafter: {args.drafter} from {args.drafter_ckpt}", file=sys.stderr)
     capacity = args.capacity or min(model.config.max_position_embeddings, len(ids) + args.max_new_tokens + 64)
-    engine = TorchTargetEngine(model, capacity)
+    spare = 64 if proposer is None else max(64, proposer.max_drafts + 1)
+    engine = TorchTargetEngine(model, capacity, spare_slots=spare)
     stream = TextStream(tok, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     start = time.perf_counter()
-    result = generate_autoregressive(
-        engine, [ids], args.max_new_tokens, sampling, model.config.eos_token_ids,
-        on_tokens=lambda row, new: stream.push(new),
-    )
+    common = dict(eos_token_ids=model.config.eos_token_ids, on_tokens=lambda row, new: stream.push(new))
+    if proposer is None:
+        result = generate_autoregressive(engine, [ids], args.max_new_tokens, sampling, **common)
+    else:
+        result = generate_speculative(engine, proposer, [ids], args.max_new_tokens, sampling, **common)
     stream.close()
     wall = time.perf_counter() - start
     sys.stdout.write("\n")

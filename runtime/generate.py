@@ -117,7 +117,6 @@ def generate_autoregressive(
                 stats[b].rounds += 1
                 stats[b].verify_seconds += step
                 stats[b].host_seconds += host
-    # the first token comes from prefill: count it as a round so tau is exactly 1.0
     for s in stats:
-        s.rounds += 1
+        s.round_tokens = s.new_tokens - 1  # the first token comes from prefill, not a decode step
     return GenerationResult(outputs, stats, time.perf_counter() - wall)

@@ -92,8 +92,10 @@ class SpsTable:
                 raise SpecrtError(f"{source}: SPS {s!r} at B={int(b)} is not a finite positive number",
                                   "re-run the SPS profile on this device")
             if clean_b and int(b) <= clean_b[-1]:
-                raise SpecrtError(f"{source}: token counts must be strictly increasing (B={int(b)} after B={clean_b[-1]})",
-                                  "sort the points and drop duplicates, or re-run the SPS profile")
+                raise SpecrtError(
+                    f"{source}: token counts must be strictly increasing (B={int(b)} after B={clean_b[-1]})",
+                    "sort the points and drop duplicates, or re-run the SPS profile",
+                )
             clean_b.append(int(b))
             clean_s.append(float(s))
         self.tokens = clean_b
@@ -134,8 +136,10 @@ class SpsTable:
             raise SpecrtError(f"{source} is not an SPS table (expected \"format\": \"{SPS_FORMAT}\")",
                               "point to the sps.json written by the SPS profile, or re-run it")
         if data.get("version") != SPS_VERSION:
-            raise SpecrtError(f"{source} has SPS table version {data.get('version')!r}; this specrt reads version {SPS_VERSION}",
-                              "re-run the SPS profile with this specrt, or upgrade specrt")
+            raise SpecrtError(
+                f"{source} has SPS table version {data.get('version')!r}; this specrt reads version {SPS_VERSION}",
+                "re-run the SPS profile with this specrt, or upgrade specrt",
+            )
         tokens, sps = data.get("tokens"), data.get("steps_per_second")
         if not isinstance(tokens, list) or not isinstance(sps, list):
             raise SpecrtError(f"{source}: \"tokens\" and \"steps_per_second\" must be lists",
@@ -151,14 +155,18 @@ class SpsTable:
         try:
             text = path.read_text()
         except FileNotFoundError:
-            raise SpecrtError(f"SPS table {path} does not exist",
-                              "profile the target on this device first (it writes sps.json next to the engines)") from None
+            raise SpecrtError(
+                f"SPS table {path} does not exist",
+                "profile the target on this device first (it writes sps.json next to the engines)",
+            ) from None
         except OSError as exc:
             raise SpecrtError(f"cannot read SPS table {path}: {exc}", "check the path and its permissions") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise SpecrtError(f"SPS table {path} is not valid JSON ({exc})", "re-run the SPS profile to rewrite it") from None
+            raise SpecrtError(
+                f"SPS table {path} is not valid JSON ({exc})", "re-run the SPS profile to rewrite it"
+            ) from None
         return cls.from_json(data, source=f"SPS table {path}")
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@ class RequestStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0  # target forward passes after prefill (verify steps)
+    round_tokens: int = 0  # tokens those steps emitted (new_tokens minus the prefill's first token)
     accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts at draft position k
     proposed_per_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -20,8 +21,8 @@ class RequestStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target step, bonus token included (1.0 for plain decoding)."""
-        return self.new_tokens / self.rounds if self.rounds else 0.0
+        """Mean tokens per verify step, bonus token included (1.0 for plain decoding)."""
+        return self.round_tokens / self.rounds if self.rounds else 1.0
 
     @property
     def decode_seconds(self) -> float:
@@ -50,6 +51,6 @@ class RequestStats:
 def summary_line(stats: list[RequestStats], wall_seconds: float) -> str:
     tokens = sum(s.new_tokens for s in stats)
     rounds = sum(s.rounds for s in stats)
-    tau = tokens / rounds if rounds else 0.0
+    tau = sum(s.round_tokens for s in stats) / rounds if rounds else 1.0
     rate = tokens / wall_seconds if wall_seconds > 0 else 0.0
     return f"tau {tau:.2f} | {rate:.1f} tok/s | {tokens} tokens"

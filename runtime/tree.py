@@ -117,7 +117,7 @@ def tree_attention_mask(parents: torch.Tensor | Sequence[int], with_root: bool =
     if with_root:
         rows.insert(0, [True] + [False] * n)
     if not rows:
-        return torch.zeros((off, off), dtype=torch.bool, device=device).fill_(True)
+        return torch.zeros((0, 0), dtype=torch.bool, device=device)
     return torch.tensor(rows, dtype=torch.bool, device=device)
 
 

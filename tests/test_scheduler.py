@@ -111,8 +111,8 @@ def test_random_schedules_satisfy_the_algorithm():
 def test_sps_table_interpolates_step_time_and_refuses_unmeasured_sizes():
     t = SpsTable([1, 4, 8], [100.0, 80.0, 40.0])
     assert t(1) == 100.0 and t(4) == 80.0 and t(8) == 40.0
-    # step times 10 ms (B=4) and 25 ms (B=8): at B=6 the time is 17.5 ms
-    assert t(6) == pytest.approx(1000.0 / 17.5)
+    # step times 12.5 ms (B=4) and 25 ms (B=8): at B=6 the time is 18.75 ms
+    assert t(6) == pytest.approx(1000.0 / 18.75)
     assert t(2) == pytest.approx(1.0 / (0.01 + (0.0125 - 0.01) / 3))
     for b in (0, 9):
         with pytest.raises(SpecrtError) as err:

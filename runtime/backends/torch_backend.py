@@ -22,10 +22,14 @@ class TorchTargetEngine:
         capacity: int,
         batch_size: int = 1,
         cache_dtype: torch.dtype | None = None,
+        spare_slots: int = 64,
     ) -> None:
         self.model = model
         self.config = model.config
         self.capacity = int(capacity)
+        # slots past `capacity` that only uncommitted tokens use: padding rows of a batch and the
+        # drafts of a row near the end write there, so they never collide with committed K/V
+        self.spare_slots = int(spare_slots)
         self.device = model.embed_tokens.weight.device
         self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
         self.reset(batch_size)
@@ -36,7 +40,9 @@ class TorchTargetEngine:
     def reset(self, batch_size: int) -> None:
         self.batch_size = int(batch_size)
         if getattr(self, "k_cache", None) is None or self.k_cache.shape[1] != self.batch_size:
-            self.k_cache, self.v_cache = self.model.new_cache(self.batch_size, self.capacity, self.cache_dtype)
+            self.k_cache, self.v_cache = self.model.new_cache(
+                self.batch_size, self.capacity + self.spare_slots, self.cache_dtype
+            )
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long)
 
     @torch.inference_mode()
@@ -48,7 +54,7 @@ class TorchTargetEngine:
         logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t = input_ids.shape
-        check_capacity(self.lengths, t, self.capacity)
+        check_capacity(self.lengths, t, self.capacity + self.spare_slots)
         lengths = self.lengths
         window = int(lengths.max()) + t
         slots = lengths[:, None] + torch.arange(t)[None, :]

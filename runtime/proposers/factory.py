@@ -1,0 +1,59 @@
+"""Build a proposer from a drafter checkpoint folder and a loaded target.
+
+`--drafter NAME --drafter-ckpt PATH`: the checkpoint's kind must be NAME (config.json says which);
+the drafter is refused when it does not fit the target (hidden size, vocab, taps). Shipped
+drafters for the embedded default arrive with issue 4; until then a checkpoint path is required.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.export.errors import SpecrtError
+from specrt.export.models.llama import LlamaModel
+
+DRAFTER_KINDS = ("eagle3", "dflash", "dspark")
+
+
+@dataclass
+class DraftOptions:
+    tree_top_k: int = 4
+    tree_depth: int = 5
+    tree_tokens: int = 16  # verify tokens per step for EAGLE-3, anchor included
+    confidence_threshold: float = 0.1  # DSpark: keep drafts while the survival stays above this
+
+    def __post_init__(self) -> None:
+        if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
+            raise SpecrtError(
+                f"bad tree settings top_k={self.tree_top_k} depth={self.tree_depth} tokens={self.tree_tokens}",
+                "use --tree-top-k >= 1, --tree-depth >= 1 and --tree-tokens >= 2",
+            )
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise SpecrtError(
+                f"confidence threshold {self.confidence_threshold} is outside [0, 1]",
+                "pass --confidence-threshold between 0 (verify every draft) and 1",
+            )
+
+
+def load_proposer(kind: str, checkpoint: str | Path | None, target: LlamaModel, options: DraftOptions | None = None):
+    from specrt.export.checkpoints.drafters import load_drafter
+    from specrt.runtime.proposers.block import BlockProposer
+    from specrt.runtime.proposers.eagle3 import Eagle3Proposer
+
+    options = options or DraftOptions()
+    if kind not in DRAFTER_KINDS:
+        raise SpecrtError(f"unknown drafter {kind!r}", f"use one of {', '.join(DRAFTER_KINDS)} (or none)")
+    if checkpoint is None:
+        raise SpecrtError(
+            f"no {kind} drafter checkpoint was given and none ships for this target yet",
+            f"pass --drafter-ckpt PATH (a folder with config.json + model.safetensors of a {kind} drafter)",
+        )
+    dtype = target.embed_tokens.weight.dtype
+    drafter = load_drafter(checkpoint, target.config, kind=kind, dtype=dtype).to(target.embed_tokens.weight.device)
+    if kind == "eagle3":
+        if drafter.embed_tokens is None:
+            drafter.bind_target_embedding(target.embed_tokens)
+        return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    return BlockProposer(drafter, threshold=options.confidence_threshold if kind == "dspark" else 0.0)
