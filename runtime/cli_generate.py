@@ -70,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     ids = tok.encode(prompt) if args.no_chat_template else tok.encode_chat(prompt, args.system)
     proposer = None
     if args.drafter != "none":
-        proposer = load_proposer(args.drafter, args.drafter_ckpt, model, options)
-        print(f"drafter: {args.drafter} from {args.drafter_ckpt}", file=sys.stderr)
+        # the shipped drafters belong to the embedded default only
+        shipped_for = target.name if args.target is None else None
+        proposer = load_proposer(args.drafter, args.drafter_ckpt, model, options, shipped_for)
+        print(f"drafter: {args.drafter} ({args.drafter_ckpt or 'shipped'})", file=sys.stderr)
     capacity = args.capacity or min(model.config.max_position_embeddings, len(ids) + args.max_new_tokens + 64)
     spare = 64 if proposer is None else max(64, proposer.max_drafts + 1)
     engine = TorchTargetEngine(model, capacity, spare_slots=spare)

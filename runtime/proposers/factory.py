@@ -36,17 +36,27 @@ class DraftOptions:
             )
 
 
-def load_proposer(kind: str, checkpoint: str | Path | None, target: LlamaModel, options: DraftOptions | None = None):
+def load_proposer(
+    kind: str,
+    checkpoint: str | Path | None,
+    target: LlamaModel,
+    options: DraftOptions | None = None,
+    target_name: str | None = None,
+):
+    """A proposer for `kind` from `checkpoint`, or from the drafter shipped for `target_name`."""
     from specrt.export.checkpoints.drafters import load_drafter
+    from specrt.export.shipped import shipped_drafter
     from specrt.runtime.proposers.block import BlockProposer
     from specrt.runtime.proposers.eagle3 import Eagle3Proposer
 
     options = options or DraftOptions()
     if kind not in DRAFTER_KINDS:
         raise SpecrtError(f"unknown drafter {kind!r}", f"use one of {', '.join(DRAFTER_KINDS)} (or none)")
+    if checkpoint is None and target_name is not None:
+        checkpoint = shipped_drafter(kind, target_name)
     if checkpoint is None:
         raise SpecrtError(
-            f"no {kind} drafter checkpoint was given and none ships for this target yet",
+            f"no {kind} drafter checkpoint was given and none ships for target {target_name or '(custom)'}",
             f"pass --drafter-ckpt PATH (a folder with config.json + model.safetensors of a {kind} drafter)",
         )
     dtype = target.embed_tokens.weight.dtype

@@ -1,0 +1,306 @@
+"""`python export/export.py --drafter {eagle3,dflash,dspark,none}`: the target and its drafter as ONNX.
+
+    python export/export.py --drafter dspark --drafter-ckpt PATH [--target PATH] [--out engines/NAME]
+                            [--dtype fp32|fp16] [--opset N] [--capacity N] [--external-data auto|always|never]
+    python -m specrt.export.export ...        (same; `python -m specrt.export` too)
+
+Without --target the embedded default (SmolLM2-135M-Instruct) is exported, with the drafter of
+that kind shipped in the package when there is one; otherwise pass --drafter-ckpt (an
+official-format drafter folder), or `--drafter none` to export only the target.
+
+Stages print as they finish (time, peak RSS, graph size). The output folder is written atomically:
+everything goes to a hidden temp folder beside --out, is validated (checker, shape inference,
+manifest checksums), and only then renamed into place. A failed export leaves no folder that looks
+valid and never touches an existing one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # run as a file: do not let export/ shadow top-level modules; import through the specrt package
+    sys.path.pop(0)
+
+import argparse
+import os
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from specrt.export.errors import SpecrtError
+
+DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")
+_DTYPE_FLAGS = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16"}
+NO_DRAFTER_HINT = (
+    "pass --drafter-ckpt PATH (an official-format EAGLE-3 / DFlash / DSpark drafter folder: config.json + "
+    "model.safetensors), train one with `specrt train` (coming), or use `--drafter none` to export only the target"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, choices=DRAFTER_KINDS,
+                        help="drafter kind to export with the target ('none': the target alone)")
+    parser.add_argument("--target", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--drafter-ckpt", default=None,
+                        help="drafter checkpoint folder (official format; default: the shipped one, if any)")
+    parser.add_argument("--out", default=None, help="engine folder (default: engines/<target>-<drafter>)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPE_FLAGS), help="weights and K/V cache dtype")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX default-domain opset (18-23, default 20)")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="K/V cache capacity recorded for the runtime (default: max_position_embeddings)")
+    parser.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
+                        help="store weights beside the graph (auto: graphs over 512 MiB)")
+    parser.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3 tree: children per node (manifest default)")
+    parser.add_argument("--tree-depth", type=int, default=4, help="EAGLE-3 tree: depth (manifest default)")
+    parser.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3 tree: verify tokens (manifest default)")
+    parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+class _Stages:
+    """Progress per stage: one line when a stage finishes (time, peak RSS), a spinner while it runs."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.console = None
+        if not quiet:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+        self.start = time.perf_counter()
+        self.records: list[tuple[str, float]] = []
+
+    @contextmanager
+    def stage(self, label: str) -> Iterator[dict]:
+        info: dict = {}
+        t0 = time.perf_counter()
+        if self.console is not None and self.console.is_terminal:
+            with self.console.status(f"{label} ..."):
+                yield info
+        else:
+            yield info
+        seconds = time.perf_counter() - t0
+        self.records.append((label, seconds))
+        if self.console is not None:
+            note = f"  [dim]{info['note']}[/dim]" if info.get("note") else ""
+            stats = f"{seconds:.1f} s, peak RSS {peak_rss_mb():.0f} MB"
+            self.console.print(f"[green]✓[/green] {label} [dim]{stats}[/dim]{note}")
+
+    def print(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+
+
+def peak_rss_mb() -> float:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    except Exception:  # pragma: no cover - non-Unix
+        return float("nan")
+
+
+def _shipped_drafter(kind: str) -> Path | None:
+    """The drafter shipped in the package for the embedded default target, if there is one."""
+    try:
+        from specrt.export.default_model import DEFAULT_NAME
+        from specrt.export.shipped import shipped_drafter
+    except ImportError:
+        return None
+    return shipped_drafter(kind, DEFAULT_NAME)
+
+
+def _source_of(loaded_target) -> str | None:
+    source = getattr(loaded_target, "source", None)
+    return str(Path(source).resolve()) if source else None
+
+
+def _default_out(target_name: str, kind: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in target_name)
+    return Path("engines") / (f"{safe}-{kind}" if kind != "none" else safe)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise SpecrtError(f"--out {out} is a file", "pass a folder path for the engine")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise SpecrtError(
+            f"--out {out} exists and is not a specrt engine folder (no manifest.json); refusing to replace it",
+            "pick another --out, or empty that folder yourself",
+        )
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing engine folder is moved aside first and removed only afterwards."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_engine(
+    drafter_kind: str,
+    target: str | Path | None = None,
+    drafter_ckpt: str | Path | None = None,
+    out: str | Path | None = None,
+    dtype: str = "fp32",
+    opset: int | None = None,
+    capacity: int | None = None,
+    external_data: str = "auto",
+    tree: dict | None = None,
+    threshold: float = 0.0,
+    quiet: bool = False,
+    loaded_target=None,
+    drafter_model=None,
+    command: list[str] | None = None,
+) -> Path:
+    """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
+    import torch
+
+    from specrt.export import manifest as mf
+    from specrt.export import onnx_export as ox
+    from specrt.plugins import onnx_ops
+
+    if drafter_kind not in DRAFTER_KINDS:
+        raise SpecrtError(f"unknown drafter kind {drafter_kind!r}", f"use one of {', '.join(DRAFTER_KINDS)}")
+    if dtype not in _DTYPE_FLAGS:
+        raise SpecrtError(f"unsupported --dtype {dtype!r}", "use fp32 or fp16")
+    dtype_name = _DTYPE_FLAGS[dtype]
+    torch_dtype = ox.dtype_from_name(dtype_name)
+    opset = onnx_ops.check_opset(opset if opset is not None else ox.DEFAULT_OPSET)
+    if external_data not in ("auto", "always", "never"):
+        raise SpecrtError(f"unknown --external-data {external_data!r}", "use auto, always or never")
+    if drafter_kind != "none" and drafter_ckpt is None and drafter_model is None:
+        drafter_ckpt = _shipped_drafter(drafter_kind) if target is None else None
+        if drafter_ckpt is None:
+            shipped_for = "" if target is None else " (shipped drafters exist only for the embedded default target)"
+            raise SpecrtError(f"no {drafter_kind} drafter checkpoint given, and none is shipped{shipped_for}",
+                              NO_DRAFTER_HINT)
+    if drafter_kind == "none" and drafter_ckpt is not None:
+        raise SpecrtError("--drafter none was given together with --drafter-ckpt",
+                          "pass --drafter eagle3|dflash|dspark with the checkpoint, or drop --drafter-ckpt")
+    stages = _Stages(quiet)
+
+    # 1. load (nothing is written before both models are known to fit)
+    with stages.stage("load target") as info:
+        if loaded_target is None:
+            from specrt.export.checkpoints import load_target
+
+            loaded_target = load_target(target, torch_dtype)
+        model = loaded_target.model.to(torch_dtype).eval()
+        cfg = model.config
+        info["note"] = (f"{loaded_target.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                        f"vocab {cfg.vocab_size}")
+    drafter = drafter_model
+    if drafter_kind != "none":
+        with stages.stage(f"load {drafter_kind} drafter") as info:
+            from specrt.export.checkpoints.drafters import check_fits_target, drafter_kind as kind_of, load_drafter
+
+            if drafter is None:
+                drafter = load_drafter(drafter_ckpt, cfg, kind=drafter_kind, dtype=torch_dtype)
+            elif kind_of(drafter) != drafter_kind:
+                raise SpecrtError(f"the drafter is a {kind_of(drafter)}, not a {drafter_kind}",
+                                  f"pass --drafter {kind_of(drafter)}")
+            check_fits_target(drafter.config, cfg)
+            drafter = drafter.to(torch_dtype).eval()
+            info["note"] = f"taps {list(drafter.config.tap_layers)}"
+
+    out = Path(out) if out is not None else _default_out(loaded_target.name, drafter_kind)
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        specs = ox.graph_specs(model, drafter, torch_dtype)
+        exported = []
+        for spec in specs:
+            with stages.stage(f"graph {spec.name}") as info:
+                graph = ox.export_graph(spec, tmp, opset=opset, external_data=external_data)
+                size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
+                info["note"] = f"{size / 2**20:.1f} MB{' (external data)' if graph.data_path else ''}"
+                exported.append(graph)
+        with stages.stage("tokenizer, manifest, checksums"):
+            loaded_target.tokenizer.save(tmp)
+            drafter_info = None
+            if drafter is not None:
+                roles = {g.name.split("_", 1)[1]: g.name for g in exported if g.name != "target"}
+                extra: dict = {}
+                if drafter_kind == "eagle3":
+                    import numpy as np
+
+                    ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size)).cpu().numpy()
+                    np.save(tmp / "draft_to_target.npy", ids.astype(np.int64))
+                    extra["draft_vocab"] = {"file": "draft_to_target.npy", "size": int(ids.shape[0]),
+                                            "meaning": "target id of each draft id"}
+                    t = {"top_k": 4, "depth": 4, "total_tokens": 16, **(tree or {})}
+                    extra["tree"] = t
+                    extra["num_drafts"] = t["total_tokens"] - 1
+                if drafter_kind == "dspark":
+                    extra["policy"] = {"threshold": float(threshold), "sps": None,
+                                       "note": "sps: a table of steps/s by verify tokens, profiled per device"}
+                drafter_info = mf.drafter_section(
+                    drafter, str(Path(drafter_ckpt).resolve()) if drafter_ckpt else None, cfg, roles, extra
+                )
+            options = {
+                "dtype": dtype_name, "opset": opset, "external_data": external_data,
+                "kv_capacity": int(capacity or cfg.max_position_embeddings),
+                "command": command,
+                "seconds": round(time.perf_counter() - stages.start, 1),
+            }
+            manifest = mf.build_manifest(
+                tmp, name=out.name, target_model=model, target_name=loaded_target.name,
+                target_source=_source_of(loaded_target),
+                chat_template=loaded_target.tokenizer.chat_template, graphs=exported,
+                drafter_info=drafter_info, export_options=options,
+            )
+            mf.write_manifest(tmp, manifest)
+            mf.load_manifest(tmp)  # the folder must pass the runtime's own checks before it goes live
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    stages.print(f"[bold]{out}[/bold]: {len(exported)} graphs, {total / 2**20:.1f} MB, "
+                 f"{time.perf_counter() - stages.start:.1f} s, peak RSS {peak_rss_mb():.0f} MB")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    export_engine(
+        args.drafter, target=args.target, drafter_ckpt=args.drafter_ckpt, out=args.out, dtype=args.dtype,
+        opset=args.opset, capacity=args.capacity, external_data=args.external_data,
+        tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
+        threshold=args.threshold, quiet=args.quiet, command=list(sys.argv),
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specrt export", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except SpecrtError as err:
+        print(f"specrt export: error: {err.problem}", file=sys.stderr)
+        if err.fix:
+            print(f"  fix: {err.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

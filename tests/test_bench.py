@@ -1,0 +1,37 @@
+"""`specrt bench` end to end on two MT-bench prompts with random drafters (the report, not the numbers)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from specrt.export.checkpoints.drafters import save_drafter
+from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
+from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
+from specrt.runtime.cli import main
+
+
+def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
+    cfg = default_target.model.config
+    torch.manual_seed(0)
+    paths = {}
+    for kind, drafter in {
+        "dflash": DFlashDrafter(DFlashConfig.for_target(cfg, block_size=4, intermediate_size=128)),
+        "dspark": DSparkDrafter(DSparkConfig.for_target(cfg, block_size=3, intermediate_size=128, markov_rank=16)),
+    }.items():
+        paths[kind] = tmp_path / kind
+        save_drafter(drafter, paths[kind])
+    out = tmp_path / "report"
+    code = main(["bench", "--drafters", f"dflash={paths['dflash']},dspark={paths['dspark']}", "--prompts", "2",
+                 "--max-new-tokens", "8", "--check-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "4",
+                 "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    for kind in ("dflash", "dspark"):
+        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 8}
+        for mode in ("greedy", "t1"):
+            assert report["acceptance"][mode][kind]["tau"] >= 1.0
+    assert set(report["speed"]) == {"plain", "dflash", "dspark"}
+    assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
+    assert "| dflash |" in capsys.readouterr().out
