@@ -1,0 +1,396 @@
+"""Train a DFlash or DSpark drafter (shared backbone code; `--kind` picks the objective).
+
+    python -m specrt.tools.train_dflash --kind dflash --data tools/data/sharegpt-smollm2 --out runs/dflash
+    python -m specrt.tools.train_dflash --kind dspark --data tools/data/sharegpt-smollm2 --out runs/dspark
+        [--num-layers 1] [--block-size 16|7] [--blocks-per-seq 8|16] [--markov-rank 64]
+        [--markov-variant vanilla] [--epochs 4|3] [--batch-size 4] [--lr 6e-4] [--max-minutes 110]
+        [--threads 1] [--resume]
+
+Backbone (DESIGN.md section 3; z-lab/dflash, deepseek-ai/DeepSpec): the fused taps H_ctx =
+hidden_norm(fc(taps)) of every position of a sequence enter each layer as keys/values, computed
+once per sequence; blocks [anchor, MASK x (Bk-1)] at positions a .. a+Bk-1 query them.
+
+Packing: `--blocks-per-seq` random anchors per sequence are drawn without replacement from the
+response positions a with a+1 still in the sequence (the first anchor at inference is the first
+generated token, so prompt positions are never anchors); a new draw every step (a pure function of
+seed and step). All blocks of a sequence run in one forward: the queries are the nb*Bk block
+tokens, the keys [context K/V of the T positions ; the nb*Bk block K/V], and the mask
+(`block_attention_mask`) lets block n see the context slots < a_n and its own Bk slots (non-
+causally), nothing else, which is what one block sees at inference. The forward is the
+drafter's own inference code (`ingest_context` + `backbone` on explicit per-layer caches), so
+training and drafting cannot drift apart. The target's embedding and LM head are shared and frozen;
+the drafter layers start from the target's last `--num-layers` layers (`init_from_target`).
+
+DFlash objective: block index k predicts the token at a+k (k >= 1, Bk-1 drafts); cross entropy
+against the data token (the target's greedy output) weighted exp(-(k-1)/gamma). The paper uses
+gamma = 7 for Bk = 16; for other block sizes gamma scales with the block, gamma = 7 * Bk / 16
+(the weight of the last draft stays about exp(-2)), `--loss-gamma` overrides it.
+
+DSpark objective (DeepSpec `compute_dspark_loss`): gamma = Bk inputs, index k predicts a+k+1
+(label shift +1, Bk drafts). Logits l_k = lm_head(h_k) + Markov bias of the previous token,
+teacher-forced (`markov_block_logits` with prev = [anchor, labels...]). Per position d = k+1:
+    0.1 * CE(l_k, label) + 0.9 * TV(p_d, p_t) + 1.0 * BCE(sigmoid(z_k), 1 - TV(p_d, p_t) detached)
+with TV = 0.5 * |p_d - p_t|_1 (DeepSpec's code applies its 0.9 to the L1 norm, i.e. 2 * TV; we
+follow the written objective), p_t = softmax of the target logits lm_head(norm(h_L)) at the label's
+previous position, z_k = the confidence head on [h_k ; W1[prev]]; every term weighted
+exp(-(d-1)/gamma_w), gamma_w = 4 for Bk = 7 (scaled 4 * Bk / 7 otherwise) and averaged over valid
+positions. After training, STS calibration (`specrt.tools.calibrate_sts`) fits the survival
+temperatures on the held-out split and stores them with the checkpoint.
+
+Validation (held-out 5 %, fixed anchors): loss, accuracy per draft position and the greedy
+acceptance length it implies, tau_est = 1 + E[leading correct drafts] (for DSpark the teacher-
+forced Markov chain equals the greedy chain as long as all previous drafts were right, so this is
+the tau of verifying the whole block).
+
+CPU defaults (each run well under 2 hours on this 2-core machine): one drafter layer (the papers'
+drafters have 1-5; one layer started from the target's last layer learns fastest here), the
+target's dims (needed to start from its layer), 5 taps (z-lab's spread), batch 4 sequences, lr 6e-4
+(DeepSpec's), warmup 3 %, cosine to 10 %, `--max-minutes 110` as the guard (the schedule anneals on
+time if a slower machine would run over). The step cost is dominated by the 49152-wide target LM
+head on every supervised block position (and, for DSpark, the target's own distribution and the
+Markov head there), so the positions per sequence set the time: DFlash 8 blocks of 16, DSpark 16
+blocks of 7 (~120 positions per sequence, about one response), anchors redrawn every step.
+Measured at the SmolLM2 dims, 4 sequences of 300 tokens, 1 torch thread while the data builder
+kept both cores busy: DFlash 1.0 s per step -> 4 epochs (~2850 steps) ~47 min; DSpark (rank 64)
+1.9 s per step -> 3 epochs (~2140 steps) ~68 min. Markov rank 64 (the paper's 256 is for GPUs):
+the sequential Markov chain reads W2 (r x 49152) once per draft, memory-bound on a CPU; one
+drafting round (backbone + 7 Markov steps, batch 1, 1 thread) took 37 ms at rank 64 and 115 ms at
+rank 256, a training step 4.1 s against 5.0 s (2 threads, same load). On a machine shared with
+another job, `--threads 1` is several times faster than torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from specrt.export.errors import SpecrtError
+from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
+from specrt.export.models.dspark import MARKOV_VARIANTS, DSparkConfig, DSparkDrafter
+
+DEFAULTS = {
+    "dflash": dict(block_size=16, blocks_per_seq=8, epochs=4.0),
+    "dspark": dict(block_size=7, blocks_per_seq=16, epochs=3.0),
+}
+DEFAULT_MARKOV_RANK = 64
+
+
+def default_loss_gamma(kind: str, block_size: int) -> float:
+    """Position-weight decay length: DFlash 7 at Bk=16, DSpark 4 at Bk=7, scaled with the block size."""
+    return 7.0 * block_size / 16.0 if kind == "dflash" else 4.0 * block_size / 7.0
+
+
+# -- anchors, masks, labels -------------------------------------------------------------------------
+def sample_anchors(prompt_lengths: torch.Tensor, lengths: torch.Tensor, num_blocks: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_blocks` distinct anchors per sample from P .. N-2 (sorted); [B, nb] and validity."""
+    b = len(lengths)
+    anchors = torch.zeros(b, num_blocks, dtype=torch.long)
+    valid = torch.zeros(b, num_blocks, dtype=torch.bool)
+    for row in range(b):
+        lo, hi = int(prompt_lengths[row]), int(lengths[row]) - 2
+        count = hi - lo + 1
+        if count <= 0:
+            continue
+        take = min(count, num_blocks)
+        pick = torch.randperm(count, generator=generator)[:take].sort().values + lo
+        anchors[row, :take] = pick
+        valid[row, :take] = True
+    return anchors, valid
+
+
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """[B, nb*Bk, ctx_len + nb*Bk] bool: block n sees context slots < a_n and its own Bk slots.
+
+    Blocks that are padding (valid False) see only their own slots (no context), so no row is empty.
+    """
+    b, nb = anchors.shape
+    q = nb * block_size
+    q_block = torch.arange(q) // block_size  # [Q]
+    slot = torch.arange(ctx_len + q)
+    anchor_of_q = torch.gather(anchors, 1, q_block[None, :].expand(b, -1))  # [B, Q]
+    valid_of_q = torch.gather(valid, 1, q_block[None, :].expand(b, -1))
+    context = (slot[None, None, :] < ctx_len) & (slot[None, None, :] < anchor_of_q[:, :, None]) & valid_of_q[:, :, None]
+    own = (slot[None, :] >= ctx_len) & (((slot[None, :] - ctx_len) // block_size) == q_block[:, None])  # [Q, S]
+    return context | own[None]
+
+
+def block_inputs(drafter: DFlashDrafter, tokens: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor):
+    """Block ids [B, nb*Bk] ([anchor, MASK...] per block) and positions [B, nb*Bk] (a_n + k)."""
+    bk = drafter.config.block_size
+    b, nb = anchors.shape
+    ids = torch.full((b, nb, bk), drafter.config.mask_token_id, dtype=torch.long)
+    ids[:, :, 0] = torch.where(valid, torch.gather(tokens, 1, anchors), torch.full_like(anchors, drafter.config.mask_token_id))
+    positions = anchors[:, :, None] + torch.arange(bk)[None, None, :]
+    return ids.reshape(b, nb * bk), positions.reshape(b, nb * bk)
+
+
+def packed_block_hidden(drafter: DFlashDrafter, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                        valid: torch.Tensor) -> torch.Tensor:
+    """All blocks of each sequence in one forward -> post-norm hidden [B, nb, Bk, H].
+
+    Context K/V of every position are written once per layer (`ingest_context`); the blocks are
+    appended after them (slots T ..) and read them under `block_attention_mask`.
+    """
+    cfg = drafter.config
+    b, t, _ = taps.shape
+    nb, bk = anchors.shape[1], cfg.block_size
+    q = nb * bk
+    dtype = drafter.fc.weight.dtype
+    shape = (b, cfg.num_kv_heads, t + q, cfg.head_dim)
+    k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+    v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+    ctx_pos = torch.arange(t).expand(b, t)
+    drafter.ingest_context(taps, ctx_pos, k_cache, v_cache, ctx_pos)
+    ids, positions = block_inputs(drafter, tokens, anchors, valid)
+    slots = (t + torch.arange(q)).expand(b, q)
+    mask = block_attention_mask(anchors, valid, t, bk)
+    hidden = drafter.backbone(ids, positions, mask, k_cache, v_cache, slots)
+    return hidden.reshape(b, nb, bk, -1)
+
+
+def block_labels(tokens: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                 block_size: int, label_shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """labels [B, nb, Bk] (token at a+k+shift), their positions, and the supervised mask.
+
+    Supervised: a draft (k + shift >= 1) whose position is inside the sequence (a contiguous prefix,
+    since anchors lie in the response, every later position is a response token).
+    """
+    k = torch.arange(block_size)
+    pos = anchors[:, :, None] + k[None, None, :] + label_shift
+    n = tokens.shape[1]
+    labels = torch.gather(tokens[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos.clamp(max=n - 1))
+    mask = valid[:, :, None] & (pos <= (lengths - 1)[:, None, None]) & ((k + label_shift) >= 1)[None, None, :]
+    return labels, pos, mask
+
+
+def position_weights(block_size: int, label_shift: int, gamma: float) -> torch.Tensor:
+    """exp(-(d-1)/gamma) for draft number d = k + shift >= 1, 0 for the DFlash anchor slot."""
+    d = torch.arange(block_size, dtype=torch.float32) + label_shift
+    return torch.where(d >= 1, torch.exp(-(d - 1) / gamma), torch.zeros_like(d))
+
+
+# -- the objectives ---------------------------------------------------------------------------------
+class BlockObjective:
+    """DFlash weighted CE or DSpark CE + TV + confidence BCE on cached features."""
+
+    def __init__(self, store, target, drafter: DFlashDrafter, blocks_per_seq: int, gamma: float,
+                 ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0) -> None:
+        self.store = store
+        self.dspark = isinstance(drafter, DSparkDrafter)
+        self.taps = list(drafter.config.tap_layers)
+        self.blocks = int(blocks_per_seq)
+        self.shift = drafter.label_shift
+        self.bk = drafter.config.block_size
+        self.weights = position_weights(self.bk, self.shift, gamma)
+        self.target_norm = target.norm
+        self.head = target.lm_head.weight.detach()
+        self.ce_weight, self.tv_weight, self.conf_weight = ce_weight, tv_weight, conf_weight
+
+    def _forward(self, drafter, indices: Sequence[int], generator: torch.Generator):
+        fb = self.store.batch(indices, self.taps, with_last=self.dspark)
+        anchors, valid = sample_anchors(fb.prompt_lengths, fb.lengths, self.blocks, generator)
+        hidden = packed_block_hidden(drafter, fb.taps, fb.tokens, anchors, valid)
+        labels, pos, mask = block_labels(fb.tokens, fb.lengths, anchors, valid, self.bk, self.shift)
+        return fb, anchors, valid, hidden, labels, pos, mask
+
+    def terms(self, drafter, indices: Sequence[int], generator: torch.Generator) -> dict:
+        fb, anchors, valid, hidden, labels, pos, mask = self._forward(drafter, indices, generator)
+        w = self.weights[None, None, :].expand_as(mask)
+        if not self.dspark:
+            logits = drafter.lm_logits(hidden[mask])
+            ce = F.cross_entropy(logits, labels[mask], reduction="none")
+            wm = w[mask]
+            loss = (wm * ce).sum() / wm.sum().clamp(min=1e-6)
+            correct = torch.zeros_like(mask, dtype=torch.bool)
+            correct[mask] = logits.argmax(-1) == labels[mask]
+            return {"loss": loss, "ce": loss.detach(), "correct": correct, "mask": mask, "positions": int(mask.sum())}
+        # DSpark: whole valid blocks (the Markov chain runs along the block)
+        hb, lab, m, wb = hidden[valid], labels[valid], mask[valid], w[valid]
+        anchor_tok = torch.gather(fb.tokens, 1, anchors)[valid]
+        prev = torch.cat([anchor_tok[:, None], lab[:, :-1]], dim=1)
+        base = drafter.lm_logits(hb)
+        logits = drafter.markov_block_logits(base, prev, hb)
+        logq = torch.log_softmax(logits, dim=-1)
+        with torch.no_grad():
+            n = fb.tokens.shape[1]
+            src = (pos[valid] - 1).clamp(min=0, max=n - 1)  # the target predicts a label from the position before
+            owner = torch.nonzero(valid, as_tuple=False)[:, 0]  # the sample of each valid block
+            h_last = fb.last[owner[:, None].expand_as(src), src]
+            p_t = torch.softmax(F.linear(self.target_norm(h_last).float(), self.head.float()), dim=-1)
+        ce = -logq.gather(-1, lab[..., None]).squeeze(-1)
+        p_d = logq.exp()
+        tv = 0.5 * (p_d - p_t).abs().sum(-1)
+        conf_target = (1.0 - tv).detach().clamp(0.0, 1.0)
+        z = drafter.confidence(hb, prev)
+        bce = F.binary_cross_entropy_with_logits(z, conf_target, reduction="none")
+        wm = (wb * m).float()
+        den = wm.sum().clamp(min=1e-6)
+        ce_l, tv_l, bce_l = (wm * ce).sum() / den, (wm * tv).sum() / den, (wm * bce).sum() / den
+        loss = self.ce_weight * ce_l + self.tv_weight * tv_l + self.conf_weight * bce_l
+        correct = torch.zeros_like(mask, dtype=torch.bool)
+        correct[valid] = (logq.argmax(-1) == lab) & m
+        return {"loss": loss, "ce": ce_l.detach(), "tv": tv_l.detach(), "bce": bce_l.detach(), "correct": correct,
+                "mask": mask, "positions": int(mask.sum()),
+                "conf_mean": float((torch.sigmoid(z.detach()) * m).sum() / m.sum().clamp(min=1)),
+                "accept_mean": float((conf_target * m).sum() / m.sum().clamp(min=1))}
+
+    def loss(self, drafter, indices: list[int], generator: torch.Generator):
+        t = self.terms(drafter, indices, generator)
+        return t["loss"], {"positions": t["positions"]}
+
+    def evaluate(self, drafter, indices: Sequence[int], batch_size: int = 4, seed: int = 12345) -> dict:
+        gen = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
+        sums: dict[str, float] = {}
+        weight = 0.0
+        correct_pos = np.zeros(self.bk)
+        count_pos = np.zeros(self.bk)
+        leading, blocks = 0.0, 0
+        for s in range(0, len(indices), batch_size):
+            t = self.terms(drafter, list(indices[s:s + batch_size]), gen)
+            n = t["positions"]
+            if n == 0:
+                continue
+            for key in ("loss", "ce", "tv", "bce", "conf_mean", "accept_mean"):
+                if key in t:
+                    sums[key] = sums.get(key, 0.0) + float(t[key]) * n
+            weight += n
+            c, m = t["correct"], t["mask"]
+            correct_pos += c.sum(dim=(0, 1)).numpy()
+            count_pos += m.sum(dim=(0, 1)).numpy()
+            first = 1 - self.shift  # index of the first draft
+            run = (c[..., first:] & m[..., first:]).long().cumprod(dim=-1).sum(-1)  # leading correct drafts
+            has = m[..., first]
+            leading += float(run[has].sum())
+            blocks += int(has.sum())
+        out = {k: v / max(weight, 1) for k, v in sums.items()}
+        first = 1 - self.shift
+        out["acc"] = [float(x) for x in (correct_pos / np.maximum(count_pos, 1))[first:]]
+        out["tau_est"] = 1.0 + leading / max(blocks, 1)
+        return out
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from specrt.tools.train_common import add_common_args
+
+    ap = argparse.ArgumentParser(prog="python -m specrt.tools.train_dflash", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("DFlash / DSpark")
+    g.add_argument("--kind", choices=("dflash", "dspark"), default="dflash")
+    g.add_argument("--num-layers", type=int, default=1, help="drafter layers (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=None, help="DFlash block (16) / DSpark gamma (7)")
+    g.add_argument("--num-taps", type=int, default=5, help="target layers tapped (z-lab spread)")
+    g.add_argument("--blocks-per-seq", type=int, default=None, help="anchors per sequence and step (dflash 8, dspark 16)")
+    g.add_argument("--loss-gamma", type=float, default=None, help="position-weight decay (default: 7*Bk/16, dspark 4*Bk/7)")
+    g.add_argument("--mask-token-id", type=int, default=None, help="MASK token (default: the last vocabulary id)")
+    g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    g.add_argument("--no-init-from-target", action="store_true", help="random layers instead of the target's last ones")
+    g.add_argument("--markov-rank", type=int, default=DEFAULT_MARKOV_RANK, help="DSpark Markov rank (default %(default)s)")
+    g.add_argument("--markov-variant", choices=MARKOV_VARIANTS, default="vanilla")
+    g.add_argument("--ce-weight", type=float, default=0.1, help="DSpark CE weight")
+    g.add_argument("--tv-weight", type=float, default=0.9, help="DSpark TV weight")
+    g.add_argument("--conf-weight", type=float, default=1.0, help="DSpark confidence BCE weight")
+    g.add_argument("--sts-blocks", type=int, default=24, help="DSpark STS: anchors per held-out sample")
+    g.add_argument("--no-sts", action="store_true", help="DSpark: skip the STS calibration")
+    add_common_args(ap, lr=6e-4, batch_size=4, epochs=None)
+    args = ap.parse_args(argv)
+    defaults = DEFAULTS[args.kind]
+    if args.epochs is None:
+        args.epochs = defaults["epochs"]
+    if args.block_size is None:
+        args.block_size = defaults["block_size"]
+    if args.blocks_per_seq is None:
+        args.blocks_per_seq = defaults["blocks_per_seq"]
+    if args.loss_gamma is None:
+        args.loss_gamma = default_loss_gamma(args.kind, args.block_size)
+    return args
+
+
+def build_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
+    cfg = target.config
+    torch.manual_seed(args.seed)
+    if args.kind == "dflash":
+        dcfg = DFlashConfig.for_target(cfg, num_layers=args.num_layers, block_size=args.block_size,
+                                       mask_token_id=args.mask_token_id, num_taps=args.num_taps,
+                                       intermediate_size=args.intermediate_size)
+        drafter: DFlashDrafter = DFlashDrafter(dcfg)
+    else:
+        dcfg = DSparkConfig.for_target(cfg, num_layers=args.num_layers, block_size=args.block_size,
+                                       mask_token_id=args.mask_token_id, num_taps=args.num_taps,
+                                       intermediate_size=args.intermediate_size, markov_rank=args.markov_rank,
+                                       markov_variant=args.markov_variant)
+        drafter = DSparkDrafter(dcfg)
+        with torch.no_grad():  # start the Markov bias at zero: the backbone alone is the initial drafter
+            drafter.markov_w2.weight.zero_()
+    if not args.no_init_from_target:
+        if args.intermediate_size not in (None, cfg.intermediate_size):
+            raise SpecrtError("--intermediate-size differs from the target's, so the layers cannot start from it",
+                              "drop --intermediate-size or pass --no-init-from-target")
+        drafter.init_from_target(target)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    return drafter
+
+
+def run(args: argparse.Namespace, target) -> dict:
+    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
+    from specrt.tools.train_common import (
+        BatchPlan,
+        LoopConfig,
+        all_drafter_taps,
+        feature_store,
+        save_final,
+        steps_for,
+        train_loop,
+        validation_indices,
+        write_summary,
+    )
+
+    target = getattr(target, "model", target).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    drafter = build_drafter(args, target)
+    taps = sorted(set(all_drafter_taps(target.config.num_layers)) | set(drafter.config.tap_layers))
+    store = feature_store(args, target, taps)
+    objective = BlockObjective(store, target, drafter, args.blocks_per_seq, args.loss_gamma,
+                               args.ce_weight, args.tv_weight, args.conf_weight)
+    plan = BatchPlan(store.train_indices, store.lengths, args.batch_size, args.seed)
+    steps = steps_for(args, plan)
+    val = validation_indices(store, args.val_samples)
+    result = train_loop(drafter, objective.loss, lambda m: objective.evaluate(m, val), plan,
+                        LoopConfig.from_args(args, steps, args.kind), extra_state={"args": vars(args)})
+    sts = None
+    if args.kind == "dspark" and not args.no_sts:
+        from specrt.tools.calibrate_sts import calibrate
+
+        drafter.eval()
+        sts = calibrate(drafter, store, target, validation_indices(store, 10**9), out_dir=Path(args.out),
+                        blocks_per_seq=args.sts_blocks, seed=args.seed, progress=not args.no_progress)
+    folder = save_final(drafter, args.out)
+    summary = {
+        "kind": args.kind, "drafter": str(folder), "steps": result.step, "finished": result.finished,
+        "seconds": round(result.seconds, 1), "train_samples": len(store.train_indices), "val_samples": len(val),
+        "validation": result.last_eval, "sts": sts, "args": vars(args),
+    }
+    write_summary(args.out, summary)
+    if result.last_eval:
+        print(f"validation: tau_est {result.last_eval['tau_est']:.3f}, accuracy per draft position "
+              + " ".join(f"{a:.3f}" for a in result.last_eval["acc"]), file=sys.stderr)
+    return {"drafter": drafter, "result": result, "summary": summary, "store": store}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specrt.tools.train_common import load_target_model
+
+    args = parse_args(argv)
+    run(args, load_target_model(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,347 @@
+"""Train an EAGLE-3 drafter for a target on the regenerated data set (training-time test).
+
+    python -m specrt.tools.train_eagle3 --data tools/data/sharegpt-smollm2 --out runs/eagle3
+        [--draft-vocab-size 8192] [--intermediate-size 1536] [--ttt-steps 7] [--epochs 1.5]
+        [--batch-size 4] [--lr 5e-4] [--max-minutes 110] [--threads 1] [--resume]
+
+Objective (reference: SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, arXiv 2503.01840):
+- Draft vocabulary: the `draft_vocab_size` most frequent target tokens of the training responses
+  (ties: lower id first), sorted by id; `d2t[i] = used[i] - i`, `t2d[t] = t in used` (DESIGN.md 3).
+- Row j of a sequence pairs the fused target feature of token j (fc over hidden_states[2, L//2,
+  L-3]) with the embedding of token j+1, sits at position j and predicts token j+2.
+- Training-time test, `--ttt-steps` 7 unrolled steps. Step 0 runs every row on the target's fused
+  features. Step i feeds row j the drafter's own output of step i-1 for that row, with the token
+  one further (j+1+i) and the position j+i: exactly a chain node at depth i in the runtime's tree.
+  Attention (the reference's extended mask): row j at step i attends the step-0 keys of rows
+  0..j (causal) and its own keys of steps 1..i (the "diagonal" of the extended mask); it is
+  computed without a [T, 7T] score matrix: the step-0 scores are one T x T product and every later
+  step adds one score per row (`ttt_attention`).
+- Loss: sum_i 0.8^i * KL(p_target || p_draft) over the draft vocabulary, where p_target is the
+  target's softmax restricted to the draft tokens (t2d) and renormalised (as the reference; the
+  target logits are `lm_head(norm(h_L))` of the cached last hidden state, computed for the draft
+  rows only). A position counts when the token it predicts is a response token (not the prompt)
+  and that token is in the draft vocabulary (the reference's t2d[target argmax] mask; the data
+  are the target's greedy outputs, so the next data token is the target's argmax). Each step's KL
+  is averaged over its supervised positions (the reference divides by all positions).
+- Rows that can never be supervised (prompt rows more than `ttt_steps` before the response) only
+  provide step-0 keys: their queries, MLP and heads are skipped.
+- Initialisation: fc and midlayer random; `lm_head` starts from the target's LM-head rows of the
+  draft tokens and `norm` from the target's final norm (`--no-head-init` for the reference's
+  random head); the embedding is the target's (frozen, not saved).
+- Validation: KL per step and accuracy per step (argmax over the draft vocabulary equals the
+  target's restricted argmax) on the held-out 5 %.
+
+CPU defaults (each drafter must train well under 2 hours on this 2-core machine). Measured at the
+SmolLM2-135M dims, batch of 4 sequences of 300 tokens (100 prompt + 200 response), while the data
+builder kept both cores busy, torch on 1 thread: 4.2 s per step at draft vocabulary 8192 and
+intermediate 1536 (3.8 s at intermediate 768; 2 threads against the busy cores: 10-15 s). Per
+supervised row and TTT step the draft LM head is about half of the FLOPs at 8192 rows (9.4 of 17.6
+MFLOP forward; the midlayer's MLP 5.3), so the vocabulary is the lever: 8192 rows are a sixth of the
+full 49152-row head, in training and in every tree expansion at inference, and covered every
+response token of the first 768 built samples (6575 distinct tokens; 4096 would have covered 97.7 %,
+2048 91.6 %; the trainer prints the coverage of the full training split at start). The intermediate
+size stays the target's 1536 (halving it saves only ~10 %). 1.5 epochs over the ~2850 training
+samples, batch 4 (~1070 steps), lr 5e-4 (warmup 3 %, cosine to 10 %): about 75 min in the conditions
+above, less on an idle machine; the held-out check runs every 250 steps on 48 samples. `--max-
+minutes` (default 110) anneals the schedule on time if a slower machine would run over. On a machine
+shared with another job, `--threads 1` is several times faster than torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from specrt.export.errors import SpecrtError
+from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+DEFAULT_DRAFT_VOCAB = 8192
+TTT_STEPS = 7
+STEP_DECAY = 0.8
+
+
+# -- draft vocabulary ----------------------------------------------------------------------------
+@dataclass
+class DraftVocab:
+    tokens: torch.Tensor  # [Vd] target ids, ascending
+    d2t: torch.Tensor  # [Vd] int64, target = draft + d2t[draft]
+    t2d: torch.Tensor  # [V] bool
+    coverage: float  # share of the counted tokens that are in the draft vocabulary
+    counted: int
+
+
+def build_draft_vocab(responses: Iterable[Sequence[int]], draft_vocab_size: int, vocab_size: int) -> DraftVocab:
+    """The `draft_vocab_size` most frequent tokens of `responses` (ties: lower id first).
+
+    When the data hold fewer distinct tokens, the rest is filled with the lowest unused ids so the
+    vocabulary has exactly `draft_vocab_size` entries (the checkpoint's shapes are fixed).
+    """
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise SpecrtError(f"draft vocabulary size {draft_vocab_size} is outside 1..{vocab_size}",
+                          "pass --draft-vocab-size between 1 and the target's vocabulary size")
+    counts: Counter[int] = Counter()
+    for seq in responses:
+        counts.update(int(t) for t in seq)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = [t for t, _ in ranked[:draft_vocab_size]]
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    if len(chosen) < draft_vocab_size:
+        taken = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in taken][: draft_vocab_size - len(chosen)]
+    tokens = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = tokens - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[tokens] = True
+    return DraftVocab(tokens, d2t, t2d, covered / max(total, 1), total)
+
+
+# -- training-time test ----------------------------------------------------------------------------
+def ttt_attention(q, k0, v0, mask0, diag_k: list, diag_v: list) -> torch.Tensor:
+    """Attention of R query rows over step-0 keys (mask0 [B, R, T]) plus one own key per later step.
+
+    q [B, Hq, R, D]; k0/v0 [B, Hkv, T, D]; diag_k/diag_v: lists of [B, Hkv, R, D] (row r's own K/V of
+    steps 1..i). Returns [B, Hq, R, D]; equals masked attention over [K0 ; K1 ; ... ; Ki] with the
+    extended mask [mask0, eye, ..., eye].
+    """
+    hq, hkv = q.shape[1], k0.shape[1]
+    group = hq // hkv
+    scale = q.shape[-1] ** -0.5
+
+    def heads(x):
+        return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+    scores = torch.matmul(q, heads(k0).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask0[:, None], float("-inf"))
+    extra = [(q * heads(k)).sum(-1, keepdim=True) * scale for k in diag_k]
+    probs = torch.softmax(torch.cat([scores] + extra, dim=-1), dim=-1)
+    t = k0.shape[2]
+    out = torch.matmul(probs[..., :t], heads(v0))
+    for s, v in enumerate(diag_v):
+        out = out + probs[..., t + s:t + s + 1] * heads(v)
+    return out
+
+
+def ttt_rows(prompt_lengths: torch.Tensor, lengths: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First row and row count per sample of the rows that some step supervises.
+
+    Row j predicts token j+2+i at step i; supervised tokens are the response tokens P..N-1, so the
+    rows are max(0, P-1-steps) .. N-3.
+    """
+    start = (prompt_lengths - 1 - steps).clamp(min=0)
+    count = (lengths - 2 - start).clamp(min=0)
+    return start, count
+
+
+def ttt_forward(drafter: Eagle3Drafter, fused: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                start: torch.Tensor, num_rows: int, steps: int) -> list[torch.Tensor]:
+    """The unrolled drafter: outputs [B, R, H] per step for rows start_b .. start_b + R - 1.
+
+    fused [B, T, H] = fc(taps) of rows 0..T-1 (T = N - 1), tokens [B, N], lengths [B] (N_b).
+    """
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    b, t, _ = fused.shape
+    n = tokens.shape[1]
+    device = fused.device
+    rows_all = torch.arange(t, device=device)
+    valid_keys = rows_all[None, :] < (lengths - 1)[:, None]  # row j exists when token j+1 does
+    emb0 = drafter.embed(tokens[:, 1:t + 1]).to(fused.dtype)
+    x0 = torch.cat([layer.input_layernorm(emb0), layer.hidden_norm(fused)], dim=-1)
+    cos0, sin0 = drafter.rotary(rows_all.expand(b, t))
+    k0, v0 = attn.project_kv(x0, cos0, sin0)
+    sel = (start[:, None] + torch.arange(num_rows, device=device)[None, :]).clamp(max=t - 1)  # [B, R]
+    mask0 = (rows_all[None, None, :] <= sel[:, :, None]) & valid_keys[:, None, :]
+    hidden = torch.gather(fused, 1, sel[:, :, None].expand(-1, -1, fused.shape[-1]))
+    diag_k: list[torch.Tensor] = []
+    diag_v: list[torch.Tensor] = []
+    outs = []
+    for i in range(steps):
+        ids = torch.gather(tokens, 1, (sel + 1 + i).clamp(max=n - 1))
+        x = torch.cat([layer.input_layernorm(drafter.embed(ids).to(hidden.dtype)), layer.hidden_norm(hidden)], dim=-1)
+        cos, sin = drafter.rotary(sel + i)
+        q = attn.project_q(x, cos, sin)
+        if i > 0:
+            k, v = attn.project_kv(x, cos, sin)
+            diag_k.append(k)
+            diag_v.append(v)
+        o = ttt_attention(q, k0, v0, mask0, diag_k, diag_v)
+        h1 = hidden + attn.o_proj(o.transpose(1, 2).reshape(b, num_rows, -1))
+        out = h1 + layer.mlp(layer.post_attention_layernorm(h1))
+        outs.append(out)
+        hidden = out
+    return outs
+
+
+class Eagle3Objective:
+    """Loss and validation metrics of EAGLE-3 on cached features."""
+
+    def __init__(self, store, target, drafter: Eagle3Drafter, steps: int = TTT_STEPS, decay: float = STEP_DECAY):
+        self.store, self.steps, self.decay = store, int(steps), float(decay)
+        self.taps = list(drafter.config.tap_layers)
+        self.target_norm = target.norm
+        # the target's LM head restricted to the draft vocabulary: target logits over t2d
+        vocab = drafter.d2t + torch.arange(drafter.config.draft_vocab_size)
+        self.head = target.lm_head.weight.detach()[vocab].float()
+        self.t2d = drafter.t2d.clone()
+
+    def _batch_terms(self, drafter: Eagle3Drafter, indices: Sequence[int], metrics: bool = False):
+        """Per TTT step: (KL per supervised row, correct per row or None), or None without rows."""
+        fb = self.store.batch(indices, self.taps, with_last=True)
+        tokens, lengths, prompts = fb.tokens, fb.lengths, fb.prompt_lengths
+        n = tokens.shape[1]
+        t = n - 1
+        start, count = ttt_rows(prompts, lengths, self.steps)
+        r = max(int(count.max()), 1)
+        fused = drafter.fuse(fb.taps[:, :t])
+        outs = ttt_forward(drafter, fused, tokens, lengths, start, r, self.steps)
+        row = torch.arange(r)[None, :]
+        sel = start[:, None] + row
+        # target distributions on the window of positions start+1 .. start+r+steps-1 (shared by all steps)
+        win = (start[:, None] + 1 + torch.arange(r + self.steps - 1)[None, :]).clamp(max=n - 1)
+        with torch.no_grad():
+            h_last = torch.gather(fb.last, 1, win[:, :, None].expand(-1, -1, fb.last.shape[-1]))
+            logp_win = torch.log_softmax(self.target_norm(h_last).float() @ self.head.T, dim=-1)
+            p_win = logp_win.exp()
+            entropy_win = -(p_win * logp_win).sum(-1)
+            argmax_win = logp_win.argmax(-1) if metrics else None
+            del logp_win
+        terms = []
+        for i, out in enumerate(outs):
+            y = sel + 2 + i  # the token this step predicts
+            next_tok = torch.gather(tokens, 1, y.clamp(max=n - 1))
+            mask = (row < count[:, None]) & (y >= prompts[:, None]) & (y <= lengths[:, None] - 1) & self.t2d[next_tok]
+            if not bool(mask.any()):
+                terms.append(None)
+                continue
+            logits = drafter.lm_head(drafter.norm(out[mask])).float()
+            # KL(p || q) = CE(p, q) - H(p); the soft-target cross entropy is one fused kernel
+            kl = F.cross_entropy(logits, p_win[:, i:i + r][mask], reduction="none") - entropy_win[:, i:i + r][mask]
+            correct = None
+            if metrics:
+                correct = (logits.detach().argmax(-1) == argmax_win[:, i:i + r][mask]).float()
+            terms.append((kl, correct))
+        return terms
+
+    def loss(self, drafter: Eagle3Drafter, indices: list[int], generator: torch.Generator):
+        terms = self._batch_terms(drafter, indices)
+        loss = torch.zeros(())
+        positions = 0
+        for i, term in enumerate(terms):
+            if term is None:
+                continue
+            loss = loss + (self.decay ** i) * term[0].mean()
+            positions += int(term[0].numel())
+        if positions == 0:  # nothing supervised in this batch: a zero loss that still has a graph
+            loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
+        return loss, {"positions": positions}
+
+    def evaluate(self, drafter: Eagle3Drafter, indices: Sequence[int], batch_size: int = 4) -> dict:
+        kl_sum = np.zeros(self.steps)
+        acc_sum = np.zeros(self.steps)
+        count = np.zeros(self.steps)
+        for s in range(0, len(indices), batch_size):
+            for i, term in enumerate(self._batch_terms(drafter, list(indices[s:s + batch_size]), metrics=True)):
+                if term is None:
+                    continue
+                kl_sum[i] += float(term[0].sum())
+                acc_sum[i] += float(term[1].sum())
+                count[i] += term[0].numel()
+        kl = kl_sum / np.maximum(count, 1)
+        acc = acc_sum / np.maximum(count, 1)
+        loss = float(sum((self.decay ** i) * kl[i] for i in range(self.steps)))
+        return {"loss": loss, "kl": [float(x) for x in kl], "acc": [float(x) for x in acc]}
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from specrt.tools.train_common import add_common_args
+
+    ap = argparse.ArgumentParser(prog="python -m specrt.tools.train_eagle3", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("EAGLE-3")
+    g.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB)
+    g.add_argument("--intermediate-size", type=int, default=None, help="midlayer MLP width (default: the target's)")
+    g.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="unrolled training-time-test steps")
+    g.add_argument("--step-decay", type=float, default=STEP_DECAY, help="loss weight of step i is decay**i")
+    g.add_argument("--no-head-init", action="store_true", help="random lm_head/norm instead of the target's rows")
+    add_common_args(ap, lr=5e-4, batch_size=4, epochs=1.5)
+    return ap.parse_args(argv)
+
+
+def build_drafter(args: argparse.Namespace, target, store) -> tuple[Eagle3Drafter, DraftVocab]:
+    cfg = target.config
+    vocab = build_draft_vocab((store.response(i) for i in store.train_indices), args.draft_vocab_size, cfg.vocab_size)
+    torch.manual_seed(args.seed)
+    dcfg = Eagle3Config.for_target(cfg, args.draft_vocab_size, intermediate_size=args.intermediate_size)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.d2t.copy_(vocab.d2t)
+    drafter.t2d.copy_(vocab.t2d)
+    if not args.no_head_init:
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(target.lm_head.weight[vocab.tokens])
+            drafter.norm.weight.copy_(target.norm.weight)
+    drafter.bind_target_embedding(target.embed_tokens)
+    return drafter, vocab
+
+
+def run(args: argparse.Namespace, target) -> dict:
+    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
+    from specrt.tools.train_common import (
+        BatchPlan,
+        LoopConfig,
+        all_drafter_taps,
+        feature_store,
+        save_final,
+        steps_for,
+        train_loop,
+        validation_indices,
+        write_summary,
+    )
+
+    target = getattr(target, "model", target).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    taps = sorted(set(all_drafter_taps(target.config.num_layers)))
+    store = feature_store(args, target, taps)
+    drafter, vocab = build_drafter(args, target, store)
+    print(f"draft vocabulary: {len(vocab.tokens)} tokens cover {vocab.coverage:.2%} of {vocab.counted} "
+          f"training response tokens", file=sys.stderr)
+    objective = Eagle3Objective(store, target, drafter, args.ttt_steps, args.step_decay)
+    plan = BatchPlan(store.train_indices, store.lengths, args.batch_size, args.seed)
+    steps = steps_for(args, plan)
+    val = validation_indices(store, args.val_samples)
+    result = train_loop(
+        drafter, objective.loss, lambda m: objective.evaluate(m, val), plan,
+        LoopConfig.from_args(args, steps, "eagle3"),
+        extra_state={"draft_vocab_tokens": vocab.tokens, "args": vars(args)},
+    )
+    folder = save_final(drafter, args.out)
+    summary = {
+        "kind": "eagle3", "drafter": str(folder), "steps": result.step, "finished": result.finished,
+        "seconds": round(result.seconds, 1), "draft_vocab_size": args.draft_vocab_size,
+        "draft_vocab_coverage": vocab.coverage, "train_samples": len(store.train_indices),
+        "val_samples": len(val), "validation": result.last_eval, "args": vars(args),
+    }
+    write_summary(args.out, summary)
+    if result.last_eval:
+        print("validation accuracy per TTT step: " + " ".join(f"{a:.3f}" for a in result.last_eval["acc"]),
+              file=sys.stderr)
+    return {"drafter": drafter, "result": result, "summary": summary, "store": store}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specrt.tools.train_common import load_target_model
+
+    args = parse_args(argv)
+    run(args, load_target_model(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
