@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
     d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
+    d.add_argument("--speedup", action="store_true",
+                   help="afterwards, time plain decoding of the same prompt and print the speedup")
     d.add_argument("--confidence-threshold", type=float, default=0.1,
                    help="DSpark: verify drafts while their survival probability stays above this")
 
@@ -88,4 +90,16 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     sys.stdout.write("\n")
     print(summary_line(result.stats, wall), file=sys.stderr)
+    if args.speedup and proposer is not None:
+        start = time.perf_counter()
+        plain = generate_autoregressive(engine, [ids], args.max_new_tokens, sampling, model.config.eos_token_ids)
+        plain_wall = time.perf_counter() - start
+        if not sampling.greedy:
+            same = "sampled: each run draws its own tokens"
+        else:
+            same = "identical output" if plain.tokens == result.tokens else "OUTPUT DIFFERS (a bug: please report)"
+        spec_rate = result.stats[0].new_tokens / wall
+        plain_rate = plain.stats[0].new_tokens / plain_wall
+        print(f"plain decoding: {plain_rate:.1f} tok/s | speedup {spec_rate / plain_rate:.2f}x | {same}",
+              file=sys.stderr)
     return 0
