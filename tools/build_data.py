@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="only record what the shards hold in manifest.json (after stopping a build early)")
     args = ap.parse_args(argv)
+    if args.summarize_only:
+        summarize(args.out)
+        return 0
 
     import torch
     from tqdm import tqdm
@@ -103,10 +108,25 @@ def main(argv: list[str] | None = None) -> int:
         tmp.rename(shard)  # a shard exists only when complete: resumable
         made += sum(len(r) for r in result.tokens)
         bar.set_postfix(tokens=made, tok_s=f"{made / (time.perf_counter() - start):.0f}")
-    samples = read_shards(args.out)
-    print(f"{len(samples)} samples, {sum(len(s['response']) for s in samples)} response tokens in {args.out}",
-          file=sys.stderr)
+    summarize(args.out)
     return 0
+
+
+def summarize(folder: Path) -> dict:
+    """Record in manifest.json what the finished shards hold (a build may be stopped and resumed)."""
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    samples = read_shards(folder)
+    shards = len(list(folder.glob("shard_*.json.gz")))
+    manifest["built"] = {
+        "shards": shards, "samples": len(samples),
+        "prompt_tokens": sum(len(s["prompt"]) for s in samples),
+        "response_tokens": sum(len(s["response"]) for s in samples),
+        "complete": shards * manifest.get("batch_size", 1) >= manifest.get("num_prompts", 0),
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    print(f"{len(samples)} samples, {manifest['built']['response_tokens']} response tokens in {folder}", file=sys.stderr)
+    return manifest["built"]
 
 
 if __name__ == "__main__":
