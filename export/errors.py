@@ -7,6 +7,9 @@ still raise ordinary exceptions so they keep their tracebacks.
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 
 class SpecrtError(Exception):
     """A user-facing error: `problem` says what is wrong, `fix` says what to do about it."""
@@ -15,3 +18,16 @@ class SpecrtError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem}\n  fix: {fix}" if fix else problem)
+
+
+def run_reporting_errors(command: str, fn: Callable[[], int]) -> int:
+    """Run a CLI command: a SpecrtError prints its problem and fix and returns 2 (no traceback)."""
+    try:
+        return fn()
+    except SpecrtError as err:
+        print(f"{command}: error: {err.problem}", file=sys.stderr)
+        if err.fix:
+            print(f"  fix: {err.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

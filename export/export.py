@@ -31,13 +31,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specrt.export.errors import SpecrtError
+from specrt.export.errors import SpecrtError, run_reporting_errors
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")
 _DTYPE_FLAGS = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16"}
 NO_DRAFTER_HINT = (
     "pass --drafter-ckpt PATH (an official-format EAGLE-3 / DFlash / DSpark drafter folder: config.json + "
-    "model.safetensors), train one with `specrt train` (coming), or use `--drafter none` to export only the target"
+    "model.safetensors), train one with `specrt train dflash|dspark|eagle3`, or use `--drafter none` to export only the target"
 )
 
 
@@ -291,15 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specrt export", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except SpecrtError as err:
-        print(f"specrt export: error: {err.problem}", file=sys.stderr)
-        if err.fix:
-            print(f"  fix: {err.fix}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_reporting_errors("specrt export", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 SUBCOMMANDS = {
     "generate": ("specrt.runtime.cli_generate", "generate text with a target (and, later, a drafter)"),
@@ -29,18 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specrt.export.errors import SpecrtError
+    from specrt.export.errors import run_reporting_errors
 
     args = build_parser().parse_args(argv)
-    try:
-        return importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
-    except SpecrtError as err:
-        print(f"specrt {args.command}: error: {err.problem}", file=sys.stderr)
-        if err.fix:
-            print(f"  fix: {err.fix}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return run_reporting_errors(f"specrt {args.command}", lambda: module.run(args))
 
 
 if __name__ == "__main__":

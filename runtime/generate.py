@@ -28,7 +28,10 @@ class GenerationResult:
     wall_seconds: float
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], capacity: int, vocab_size: int) -> None:
+def validate_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, capacity: int, vocab_size: int) -> None:
+    """Refuse what cannot be generated: no tokens asked, empty prompts, prompts the cache cannot hold."""
+    if max_new_tokens < 1:
+        raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "ask for at least one token")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SpecrtError("empty prompt", "give at least one token of prompt text")
     longest = max(len(p) for p in prompts)
@@ -65,9 +68,7 @@ def generate_autoregressive(
     eos_token_ids: Sequence[int] = (),
     on_tokens: TokenCallback | None = None,
 ) -> GenerationResult:
-    if max_new_tokens < 1:
-        raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "ask for at least one token")
-    validate_prompts(prompts, engine.capacity, engine.config.vocab_size)
+    validate_request(prompts, max_new_tokens, engine.capacity, engine.config.vocab_size)
     batch = len(prompts)
     engine.reset(batch)
     generator = None if sampling.greedy else sampling.generator()

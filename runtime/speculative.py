@@ -23,7 +23,7 @@ import torch
 
 from specrt.export.errors import SpecrtError
 from specrt.runtime.engine import TargetEngine
-from specrt.runtime.generate import GenerationResult, TokenCallback, prefill, validate_prompts
+from specrt.runtime.generate import GenerationResult, TokenCallback, prefill, validate_request
 from specrt.runtime.proposers.base import Proposal, Proposer
 from specrt.runtime.sampling import SamplingParams, next_token, probabilities
 from specrt.runtime.stats import RequestStats
@@ -77,9 +77,7 @@ def generate_speculative(
     eos_token_ids: Sequence[int] = (),
     on_tokens: TokenCallback | None = None,
 ) -> GenerationResult:
-    if max_new_tokens < 1:
-        raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "ask for at least one token")
-    validate_prompts(prompts, engine.capacity, engine.config.vocab_size)
+    validate_request(prompts, max_new_tokens, engine.capacity, engine.config.vocab_size)
     if getattr(engine, "spare_slots", proposer.max_drafts + 1) < proposer.max_drafts + 1:
         raise SpecrtError(
             f"the target engine has {engine.spare_slots} spare cache slots, the {proposer.name} drafter "
