@@ -1,8 +1,8 @@
 """Build a proposer from a drafter checkpoint folder and a loaded target.
 
 `--drafter NAME --drafter-ckpt PATH`: the checkpoint's kind must be NAME (config.json says which);
-the drafter is refused when it does not fit the target (hidden size, vocab, taps). Shipped
-drafters for the embedded default arrive with issue 4; until then a checkpoint path is required.
+the drafter is refused when it does not fit the target (hidden size, vocab, taps). Without a
+checkpoint the drafter shipped for the embedded default is used (`specrt.export.shipped`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def load_proposer(
     if checkpoint is None:
         raise SpecrtError(
             f"no {kind} drafter checkpoint was given and none ships for target {target_name or '(custom)'}",
-            f"pass --drafter-ckpt PATH (a folder with config.json + model.safetensors of a {kind} drafter)",
+            f"pass --drafter-ckpt PATH (a folder with config.json + model.safetensors of a {kind} drafter), "
+            f"or train one: specrt train {kind} --out runs/{kind}",
         )
     dtype = target.embed_tokens.weight.dtype
     drafter = load_drafter(checkpoint, target.config, kind=kind, dtype=dtype).to(target.embed_tokens.weight.device)
