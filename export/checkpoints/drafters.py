@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from specrt.export.checkpoints.hf import read_folder_weights, read_json
 from specrt.export.errors import SpecrtError
-from specrt.export.models.config import LlamaConfig
+from specrt.export.models.config import LlamaConfig, rope_from_hf
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
 from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter, default_eagle3_taps
@@ -95,19 +95,6 @@ def infer_kind(hf: dict[str, Any], source: str = "config.json") -> str:
 
 
 # -- config.json <-> config objects ---------------------------------------------------------------
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    rope_scaling = hf.get("rope_scaling") or None
-    rope_theta = hf.get("rope_theta")
-    if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-        params = dict(hf["rope_parameters"])
-        rope_theta = params.pop("rope_theta", None)
-        if params.get("rope_type", "default") != "default":
-            rope_scaling = params
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-        rope_scaling = None
-    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
-
-
 def _common_hf(cfg: DrafterConfig, num_layers: int, dtype: torch.dtype) -> dict[str, Any]:
     return {
         "hidden_act": "silu",
@@ -179,7 +166,7 @@ def _require(hf: dict[str, Any], key: str, source: str) -> Any:
 def _dims_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     try:
         heads = int(_require(hf, "num_attention_heads", source))
-        rope_theta, rope_scaling = _rope_from_hf(hf)
+        rope_theta, rope_scaling = rope_from_hf(hf)
         return dict(
             hidden_size=int(_require(hf, "hidden_size", source)),
             num_heads=heads,

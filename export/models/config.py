@@ -24,6 +24,20 @@ SUPPORTED_MODEL_TYPES = {
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) of a config.json, old style or transformers >= 5's rope_parameters."""
+    rope_scaling = hf.get("rope_scaling") or None
+    rope_theta = hf.get("rope_theta")
+    if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+        params = dict(hf["rope_parameters"])
+        rope_theta = params.pop("rope_theta", None)
+        if params.get("rope_type", "default") != "default":
+            rope_scaling = params
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        rope_scaling = None
+    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int
@@ -90,16 +104,7 @@ class LlamaConfig:
         try:
             eos = hf.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            rope_scaling = hf.get("rope_scaling") or None
-            rope_theta = hf.get("rope_theta")
-            if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
-                # transformers >= 5 writes rope settings under rope_parameters
-                params = dict(hf["rope_parameters"])
-                rope_theta = params.pop("rope_theta", None)
-                if params.get("rope_type", "default") != "default":
-                    rope_scaling = params
-            if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-                rope_scaling = None
+            rope_theta, rope_scaling = rope_from_hf(hf)
             return cls(
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=int(hf["hidden_size"]),
@@ -109,7 +114,7 @@ class LlamaConfig:
                 num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
                 head_dim=int(hf.get("head_dim") or 0),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
