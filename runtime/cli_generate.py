@@ -1,9 +1,12 @@
-"""`specrt generate`: load a target, apply its chat template, stream the answer, print the stats line.
+"""`specrt generate`: load engines (or a checkpoint), apply the chat template, stream the answer, print stats.
 
-    specrt generate --backend torch --prompt "Why is the sky blue?" --max-new-tokens 128
+    specrt generate --engines engines/NAME --prompt "Why is the sky blue?"      (ONNX Runtime)
+    specrt generate --backend torch --drafter dspark --drafter-ckpt PATH --prompt "..."
 
-The text goes to stdout as it is produced; the stats line (`tau 1.00 | 41.2 tok/s | 128 tokens`)
+The text goes to stdout as it is produced; the stats line (`tau 2.31 | 41.2 tok/s | 128 tokens`)
 and load messages go to stderr, so `specrt generate ... > answer.txt` captures the text alone.
+With `--speedup` the same prompt is then decoded without the drafter on the same engine and the
+ratio of the two rates is printed (greedy: with a check that the outputs are identical).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="user message (default: read stdin)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    p.add_argument("--backend", default="torch", choices=["torch"], help="engine backend (ort and trt arrive with their issues)")
-    p.add_argument("--target", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
+    p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
+                   help="auto: ort with --engines, torch otherwise")
+    p.add_argument("--target", help="torch backend: HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt (ORT's TensorRT EP)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype for the torch backend")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -29,9 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--capacity", type=int, default=None, help="KV cache slots (default: prompt + max-new-tokens + margin)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
+    p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files at load")
     d = p.add_argument_group("speculative decoding")
-    d.add_argument("--drafter", default="none", choices=["none", "eagle3", "dflash", "dspark"])
+    d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark"],
+                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding")
     d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
     d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
@@ -45,54 +52,79 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def run(args: argparse.Namespace) -> int:
-    from specrt.export.checkpoints import load_target
+def resolve_backend(args: argparse.Namespace) -> str:
     from specrt.export.errors import SpecrtError
-    from specrt.runtime.backends.torch_backend import TorchTargetEngine
-    from specrt.runtime.generate import generate_autoregressive
+
+    backend = args.backend
+    if backend == "auto":
+        backend = "ort" if args.engines else "torch"
+    if backend == "ort" and not args.engines:
+        raise SpecrtError("--backend ort needs --engines FOLDER",
+                          "export engines first: specrt export --drafter KIND --out engines/NAME")
+    if backend == "torch" and args.engines:
+        raise SpecrtError("--engines is for the ort backend", "drop --backend torch, or pass --target for torch")
+    return backend
+
+
+def build_pipeline(args: argparse.Namespace, options):
+    from specrt.runtime.pipeline import Pipeline
+
+    backend = resolve_backend(args)
+    if backend == "ort":
+        return Pipeline.from_engines(args.engines, device=args.device, threads=args.threads, drafter=args.drafter,
+                                     draft_options=options, verify_checksums=not args.no_verify)
+    drafter = "none" if args.drafter == "auto" else args.drafter
+    return Pipeline.from_checkpoint(args.target, drafter, args.drafter_ckpt, args.device, DTYPES[args.dtype], options)
+
+
+def explicit_draft_options(args: argparse.Namespace):
+    """DraftOptions from the flags, or None (the engine folder's recorded defaults) when none was given."""
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold"))
+    if args.engines and not given:
+        return None
+    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specrt.export.errors import SpecrtError
+    from specrt.runtime.proposers.factory import DraftOptions
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.stats import summary_line
     from specrt.runtime.streaming import TextStream
 
-    from specrt.runtime.proposers.factory import DraftOptions, load_proposer
-    from specrt.runtime.speculative import generate_speculative
-
     # validate everything cheap before loading anything
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    options = DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
+    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
+    resolve_backend(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    target = load_target(args.target, DTYPES[args.dtype])
-    model = target.model.to(args.device)
-    print(f"loaded {target.name} from {target.source} in {target.load_seconds:.1f}s", file=sys.stderr)
-    tok = target.tokenizer
-    ids = tok.encode(prompt) if args.no_chat_template else tok.encode_chat(prompt, args.system)
-    proposer = None
-    if args.drafter != "none":
-        # the shipped drafters belong to the embedded default only
-        shipped_for = target.name if args.target is None else None
-        proposer = load_proposer(args.drafter, args.drafter_ckpt, model, options, shipped_for)
-        print(f"drafter: {args.drafter} ({args.drafter_ckpt or 'shipped'})", file=sys.stderr)
-    capacity = args.capacity or min(model.config.max_position_embeddings, len(ids) + args.max_new_tokens + 64)
-    spare = 64 if proposer is None else max(64, proposer.max_drafts + 1)
-    engine = TorchTargetEngine(model, capacity, spare_slots=spare)
-    stream = TextStream(tok, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     start = time.perf_counter()
-    common = dict(eos_token_ids=model.config.eos_token_ids, on_tokens=lambda row, new: stream.push(new))
-    if proposer is None:
-        result = generate_autoregressive(engine, [ids], args.max_new_tokens, sampling, **common)
-    else:
-        result = generate_speculative(engine, proposer, [ids], args.max_new_tokens, sampling, **common)
+    pipe = build_pipeline(args, explicit_draft_options(args))
+    print(f"loaded {pipe.name} ({pipe.backend}) in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    if pipe.proposer is not None:
+        print(f"drafter: {pipe.proposer.name}", file=sys.stderr)
+    ids = pipe.encode(prompt, args.system, not args.no_chat_template)
+    needed = len(ids) + args.max_new_tokens
+    if args.capacity:
+        if args.capacity < needed:
+            raise SpecrtError(f"--capacity {args.capacity} cannot hold the {len(ids)}-token prompt and "
+                              f"{args.max_new_tokens} new tokens", f"pass --capacity >= {needed}")
+        pipe.engine_for(args.capacity)
+    stream = TextStream(pipe.tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    start = time.perf_counter()
+    result = pipe.generate_ids([ids], args.max_new_tokens, sampling, True, lambda row, new: stream.push(new))
     stream.close()
     wall = time.perf_counter() - start
     sys.stdout.write("\n")
     print(summary_line(result.stats, wall), file=sys.stderr)
-    if args.speedup and proposer is not None:
+    if args.speedup and pipe.proposer is not None:
         start = time.perf_counter()
-        plain = generate_autoregressive(engine, [ids], args.max_new_tokens, sampling, model.config.eos_token_ids)
+        plain = pipe.generate_ids([ids], args.max_new_tokens, sampling, speculative=False)
         plain_wall = time.perf_counter() - start
         if not sampling.greedy:
             same = "sampled: each run draws its own tokens"

@@ -30,8 +30,10 @@ class TorchTargetEngine:
         # slots past `capacity` that only uncommitted tokens use: padding rows of a batch and the
         # drafts of a row near the end write there, so they never collide with committed K/V
         self.spare_slots = int(spare_slots)
-        self.device = model.embed_tokens.weight.device
-        self.cache_dtype = cache_dtype or model.embed_tokens.weight.dtype
+        # a torch LlamaModel, or anything with its call contract and `device` / `dtype` (the ORT backend)
+        weight = getattr(getattr(model, "embed_tokens", None), "weight", None)
+        self.device = weight.device if weight is not None else model.device
+        self.cache_dtype = cache_dtype or (weight.dtype if weight is not None else model.dtype)
         self.reset(batch_size)
 
     def set_taps(self, tap_layers: Sequence[int]) -> None:

@@ -47,12 +47,13 @@ def pad_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 class BlockProposer:
     def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0) -> None:
         self.drafter = drafter
-        self.name = "dspark" if isinstance(drafter, DSparkDrafter) else "dflash"
+        self.is_dspark = isinstance(drafter, DSparkDrafter) or getattr(drafter, "kind", None) == "dspark"
+        self.name = "dspark" if self.is_dspark else "dflash"
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.block_size = drafter.config.block_size
         self.max_drafts = drafter.num_drafts
         self.threshold = float(threshold)
-        self.device = drafter.fc.weight.device
+        self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
         self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark round
 
     def reset(self, batch_size: int, capacity: int) -> None:
@@ -92,7 +93,7 @@ class BlockProposer:
         mask = mask.expand(batch, bk, window)
         block = self.drafter.block_ids(anchor).to(self.device)
         args = (block, positions.to(self.device), mask.to(self.device), self.k_cache, self.v_cache, positions.to(self.device))
-        if isinstance(self.drafter, DSparkDrafter):
+        if self.is_dspark:
             temperature = 0.0 if sampling.greedy else sampling.temperature
             tokens, probs, conf = self.drafter.draft(*args, temperature=temperature, generator=generator)
             survival = self.drafter.survival(conf)

@@ -35,7 +35,7 @@ class Eagle3Proposer:
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.top_k, self.depth, self.total_tokens = int(top_k), int(depth), int(total_tokens)
         self.max_drafts = self.total_tokens - 1
-        self.device = drafter.fc.weight.device
+        self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
         # target id of each draft id (the builder stores target ids in the tree)
         self.token_map = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=self.device)).cpu()
         self.scratch = self.top_k * max(self.depth - 1, 0)

@@ -46,8 +46,6 @@ def load_proposer(
     """A proposer for `kind` from `checkpoint`, or from the drafter shipped for `target_name`."""
     from specrt.export.checkpoints.drafters import load_drafter
     from specrt.export.shipped import shipped_drafter
-    from specrt.runtime.proposers.block import BlockProposer
-    from specrt.runtime.proposers.eagle3 import Eagle3Proposer
 
     options = options or DraftOptions()
     if kind not in DRAFTER_KINDS:
@@ -65,6 +63,17 @@ def load_proposer(
     if kind == "eagle3":
         if drafter.embed_tokens is None:
             drafter.bind_target_embedding(target.embed_tokens)
+    else:
+        drafter.bind_target(target.embed_tokens, target.lm_head)
+    return proposer_for(kind, drafter, options)
+
+
+def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
+    """The proposer of `kind` around a ready drafter (a torch module or its ORT twin)."""
+    from specrt.runtime.proposers.block import BlockProposer
+    from specrt.runtime.proposers.eagle3 import Eagle3Proposer
+
+    options = options or DraftOptions()
+    if kind == "eagle3":
         return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens)
-    drafter.bind_target(target.embed_tokens, target.lm_head)
     return BlockProposer(drafter, threshold=options.confidence_threshold if kind == "dspark" else 0.0)

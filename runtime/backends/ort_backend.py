@@ -1,0 +1,114 @@
+"""ONNX Runtime backend: an engine folder (`specrt export`) loaded into sessions, run by the common loop.
+
+    engines = load_engines("engines/SmolLM2-135M-Instruct-dspark", SessionOptions(device="cpu", threads=2))
+    engine = OrtTargetEngine(engines.target, capacity=2048)
+    proposer = engines.proposer(DraftOptions())          # None for a target-only folder
+
+The target engine is the torch backend's slot-cache engine (`TorchTargetEngine`: K/V buffers
+[L, B, Hkv, C, D] allocated once, new tokens written at length[b] + t, commit / rollback by
+gathering kept rows) around `OrtTargetModel`, so verification, rollback and batching are the same
+code on both backends; only the forward pass runs in ONNX Runtime. Per step the graph reads the
+cache window [0, max length + T) in place and returns T new rows per layer, which are written into
+the buffers: the cost grows with the context the attention reads, never with a cache copy
+(`tools/bench_ort_kv.py` measures per-token time at context 64 and 1024).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specrt.export.errors import SpecrtError
+from specrt.export.manifest import EngineManifest, load_manifest
+from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
+from specrt.runtime.backends.ort_session import OrtGraph, SessionOptions
+from specrt.runtime.backends.torch_backend import TorchTargetEngine
+
+_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class OrtTargetEngine(TorchTargetEngine):
+    """The slot-cache TargetEngine over an `OrtTargetModel` (see the module docstring)."""
+
+
+@dataclass
+class OrtEngines:
+    folder: Path
+    manifest: EngineManifest
+    target: OrtTargetModel
+    drafter: Any  # OrtEagle3Drafter | OrtBlockDrafter | None
+    drafter_kind: str | None
+    tokenizer: Any  # ChatTokenizer
+    options: SessionOptions
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest.data.get("name", self.folder.name))
+
+    def draft_defaults(self):
+        """DraftOptions from the manifest's recorded defaults (tree shape, DSpark threshold)."""
+        from specrt.runtime.proposers.factory import DraftOptions
+
+        section = self.manifest.data.get("drafter") or {}
+        tree = section.get("tree") or {}
+        policy = section.get("policy") or {}
+        return DraftOptions(
+            tree_top_k=int(tree.get("top_k", 4)), tree_depth=int(tree.get("depth", 5)),
+            tree_tokens=int(tree.get("total_tokens", 16)),
+            confidence_threshold=float(policy.get("threshold", 0.1) or 0.0),
+        )
+
+    def proposer(self, options=None):
+        from specrt.runtime.proposers.factory import proposer_for
+
+        if self.drafter is None:
+            return None
+        return proposer_for(self.drafter_kind, self.drafter, options or self.draft_defaults())
+
+
+def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,
+                 verify_checksums: bool = True) -> OrtEngines:
+    """Validate the manifest (checksums included) and open one session per graph."""
+    from specrt.export.tokenizer import chat_tokenizer_from_folder
+
+    options = options or SessionOptions()
+    folder = Path(folder)
+    manifest = load_manifest(folder, verify_checksums=verify_checksums)
+    data = manifest.data
+    dtype_name = (data.get("export") or {}).get("dtype", "float32")
+    if dtype_name not in _CACHE_DTYPES:
+        raise SpecrtError(f"{folder}: weights of dtype {dtype_name!r} are not supported by the ORT backend",
+                          "re-export with --dtype fp32 or fp16")
+    cache_dtype = _CACHE_DTYPES[dtype_name]
+    if options.device == "cpu" and cache_dtype == torch.float16:
+        raise SpecrtError(f"{folder} holds fp16 graphs, which ONNX Runtime's CPU provider runs slowly or not at all",
+                          "re-export with --dtype fp32 for a CPU, or run with --device cuda")
+    graphs = manifest.graphs
+
+    def graph(name: str) -> OrtGraph:
+        if name not in graphs:
+            raise SpecrtError(f"{folder}/manifest.json lists no graph {name!r}", "re-export the engine folder")
+        return OrtGraph(manifest.graph_path(name), graphs[name], options)
+
+    target_cfg = manifest.target_config
+    target = OrtTargetModel(graph("target"), target_cfg, data["target"].get("tap_layers", []), cache_dtype)
+    drafter, kind = None, manifest.drafter_kind
+    if with_drafter and kind:
+        section = data["drafter"]
+        cfg = manifest.drafter_config
+        roles = section.get("graphs", {})
+        if kind == "eagle3":
+            vocab_file = (section.get("draft_vocab") or {}).get("file", "draft_to_target.npy")
+            ids = np.load(folder / vocab_file)
+            drafter = OrtEagle3Drafter(graph(roles.get("fc", "eagle3_fc")), graph(roles.get("step", "eagle3_step")),
+                                       cfg, ids, cache_dtype)
+        else:
+            drafter = OrtBlockDrafter(kind, graph(roles.get("ingest", f"{kind}_ingest")),
+                                      graph(roles.get("block", f"{kind}_block")), cfg, cache_dtype,
+                                      section.get("sts_temperatures"))
+    tokenizer = chat_tokenizer_from_folder(folder, list(target_cfg.eos_token_ids))
+    return OrtEngines(folder, manifest, target, drafter, kind if drafter is not None else None, tokenizer, options)

@@ -1,0 +1,219 @@
+"""Exported graphs behind the call contracts of the torch modules, so one loop serves both backends.
+
+The speculative loop, the target engine and the proposers call the torch models through a small
+contract (`specrt.export.models`): the caller owns K/V caches [L, B, Hkv, C, D], gives the slots
+the new tokens are written to (`write_slots` [B, T]) and one attention mask over the cache window
+that already includes those slots (`attn_mask` [B, T, W]); the model writes the new K/V in place
+and attends. The exported graphs split the same information differently (see
+`specrt.export.onnx_export`): they read the cache window through `past_mask` [B, T, W], see the new
+tokens through `tree_mask` [B, T, T], and return the new K/V instead of writing them.
+`split_window_mask` converts one form into the other and `write_new_kv` does the write, so the
+classes here are drop-in replacements for LlamaModel, Eagle3Drafter, DFlashDrafter and
+DSparkDrafter in `TorchTargetEngine`, `Eagle3Proposer` and `BlockProposer`.
+
+Caches stay torch tensors (on the CPU, or the GPU for the CUDA EP); `OrtGraph` binds each layer's
+[B, Hkv, C, D] view by pointer, so no step copies the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specrt.export.errors import SpecrtError
+from specrt.export.models.config import LlamaConfig
+from specrt.runtime.backends.ort_session import OrtGraph
+
+
+def split_window_mask(attn_mask: torch.Tensor, write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_mask [B, T, W] over slots (own slots included) -> (past_mask [B, T, W], tree_mask [B, T, T]).
+
+    past_mask hides the new tokens' own slots (they hold stale K/V until the graph's output is
+    written); tree_mask[b, t, u] = attn_mask[b, t, write_slots[b, u]]. When several new tokens
+    write the same slot (padding repeats a row's last entry), only the first is visible, so a
+    token never attends the same key twice - as in the torch model, where they collapse into one slot.
+    """
+    b, t, w = attn_mask.shape
+    slots = write_slots.to(attn_mask.device)
+    # one spare False column: a slot outside the window (none of the callers make one) reads False
+    padded = torch.cat([attn_mask, attn_mask.new_zeros(b, t, 1)], dim=-1)
+    index = slots.clamp(max=w)[:, None, :].expand(b, t, t)
+    tree = padded.gather(2, index)
+    past = padded.scatter(2, index, torch.zeros_like(index, dtype=torch.bool))[..., :w]
+    first = torch.ones(b, t, dtype=torch.bool, device=attn_mask.device)
+    if t > 1:
+        same = slots[:, :, None] == slots[:, None, :]  # [B, T, T]
+        earlier = torch.tril(torch.ones(t, t, dtype=torch.bool, device=attn_mask.device), diagonal=-1)
+        first = ~(same & earlier).any(-1)
+    return past, tree & first[:, None, :]
+
+
+def write_new_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
+                 write_slots: torch.Tensor) -> None:
+    """k_cache [L, B, Hkv, C, D][:, b, :, write_slots[b, t]] = new_keys[:, b, :, t] (and values)."""
+    slots = write_slots.to(k_cache.device)
+    for b in range(slots.shape[0]):
+        k_cache[:, b].index_copy_(2, slots[b], new_keys[:, b].to(k_cache.dtype))
+        v_cache[:, b].index_copy_(2, slots[b], new_values[:, b].to(v_cache.dtype))
+
+
+def cache_feeds(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch.Tensor]:
+    """past_key_i / past_value_i: each layer's [B, Hkv, C, D] view (contiguous when B == 1 or the
+    cache is laid out [L, B, ...], which is what `new_cache` allocates)."""
+    feeds = {}
+    for i in range(k_cache.shape[0]):
+        feeds[f"past_key_{i}"] = k_cache[i]
+        feeds[f"past_value_{i}"] = v_cache[i]
+    return feeds
+
+
+class OrtTargetModel:
+    """The exported target graph with LlamaModel's call contract (see the module docstring)."""
+
+    def __init__(self, graph: OrtGraph, config: LlamaConfig, tap_layers: Sequence[int], cache_dtype: torch.dtype):
+        self.graph = graph
+        self.config = config
+        self.exported_taps = tuple(int(i) for i in tap_layers)
+        self.tap_layers = self.exported_taps
+        self.device = graph.device
+        self.dtype = cache_dtype
+
+    def set_taps(self, tap_layers: Sequence[int]) -> None:
+        taps = tuple(int(i) for i in tap_layers)
+        if taps and taps != self.exported_taps:
+            raise SpecrtError(
+                f"the engine's target graph returns taps {list(self.exported_taps)}, the drafter needs {list(taps)}",
+                "export the target together with this drafter (specrt export --drafter KIND --drafter-ckpt PATH)",
+            )
+        self.tap_layers = taps
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None):
+        c = self.config
+        shape = (c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim)
+        dtype = dtype or self.dtype
+        return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def __call__(self, input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows=None):
+        b, t = input_ids.shape
+        if logit_rows is None:
+            logit_rows = torch.arange(t).expand(b, t)
+        past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_mask": past_mask,
+                 "tree_mask": tree_mask, "logit_rows": logit_rows, **cache_feeds(k_cache, v_cache)}
+        out = self.graph.run(feeds)
+        write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
+        taps = out.get("taps") if self.tap_layers else None
+        return out["logits"], taps
+
+
+class OrtEagle3Drafter:
+    """eagle3_fc + eagle3_step with Eagle3Drafter's contract (fuse, call, draft_to_target, new_cache)."""
+
+    def __init__(self, fc: OrtGraph, step: OrtGraph, config, draft_to_target_ids: np.ndarray, cache_dtype: torch.dtype):
+        self.fc_graph, self.step_graph = fc, step
+        self.config = config
+        self.device = step.device
+        self.dtype = cache_dtype
+        self.token_ids = torch.from_numpy(np.asarray(draft_to_target_ids, dtype=np.int64))
+        if self.token_ids.shape[0] != config.draft_vocab_size:
+            raise SpecrtError(
+                f"draft_to_target.npy has {self.token_ids.shape[0]} entries, the drafter's vocabulary {config.draft_vocab_size}",
+                "re-export the engine folder (specrt export --drafter eagle3 ...)",
+            )
+        self.embed_tokens = True  # the target embedding lives inside the step graph
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.fc_graph.run({"taps": taps.to(self.dtype)})["hidden"]
+
+    def __call__(self, input_ids, hidden, position_ids, attn_mask, k_cache, v_cache, write_slots):
+        past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
+        out = self.step_graph.run({"input_ids": input_ids, "hidden": hidden.to(self.dtype), "position_ids": position_ids,
+                                   "past_mask": past_mask, "tree_mask": tree_mask, **cache_feeds(k_cache, v_cache)})
+        write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
+        return out["logits"], out["hidden_out"]
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_ids.to(draft_ids.device)[draft_ids]
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None):
+        c = self.config
+        shape = (1, batch, c.num_kv_heads, capacity, c.head_dim)
+        dtype = dtype or self.dtype
+        return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+class OrtBlockDrafter:
+    """{dflash,dspark}_ingest + {dflash,dspark}_block with DFlashDrafter's / DSparkDrafter's contract."""
+
+    def __init__(self, kind: str, ingest: OrtGraph, block: OrtGraph, config, cache_dtype: torch.dtype,
+                 sts_temperatures: Sequence[float] | None = None) -> None:
+        self.kind = kind
+        self.ingest_graph, self.block_graph = ingest, block
+        self.config = config
+        self.device = block.device
+        self.dtype = cache_dtype
+        self.label_shift = 1 if kind == "dspark" else 0
+        temps = sts_temperatures if sts_temperatures else [1.0] * config.block_size
+        self.sts_temperatures = torch.tensor(list(temps), dtype=torch.float32)
+
+    @property
+    def num_drafts(self) -> int:
+        return self.config.block_size - 1 + self.label_shift
+
+    def block_ids(self, anchor: torch.Tensor) -> torch.Tensor:
+        block = torch.full((anchor.shape[0], self.config.block_size), self.config.mask_token_id, dtype=torch.long)
+        block[:, 0] = anchor
+        return block
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None):
+        c = self.config
+        shape = (c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim)
+        dtype = dtype or self.dtype
+        return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def ingest_context(self, taps, position_ids, k_cache, v_cache, write_slots) -> None:
+        out = self.ingest_graph.run({"taps": taps.to(self.dtype), "position_ids": position_ids})
+        write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
+
+    def _past_mask(self, attn_mask, write_slots):
+        # the block's own K/V never leave the graph: the window is the context before the block
+        past_mask, _ = split_window_mask(attn_mask, write_slots)
+        return past_mask
+
+    def __call__(self, block_ids, position_ids, attn_mask, k_cache, v_cache, write_slots):
+        if self.kind != "dflash":
+            raise SpecrtError("a DSpark engine drafts through draft()", "this is a bug in the caller: please report")
+        out = self.block_graph.run({"block_ids": block_ids, "position_ids": position_ids,
+                                    "past_mask": self._past_mask(attn_mask, write_slots), **cache_feeds(k_cache, v_cache)})
+        return out["logits"], out["hidden"]
+
+    def draft(self, block_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, temperature: float = 0.0,
+              generator: torch.Generator | None = None):
+        """DSpark: tokens [B, gamma], draft probs softmax(l / T) or None, conf logits [B, gamma].
+
+        Sampling inside the graph is Gumbel-max on noise drawn here from `generator`, so the
+        runtime owns the random stream and the draws are exact samples of softmax(l / T).
+        """
+        b, gamma = block_ids.shape
+        vocab = self.config.vocab_size
+        if temperature > 0:
+            u = torch.rand((b, gamma, vocab), generator=generator).clamp_(1e-20, 1.0 - 1e-7)
+            gumbel = -torch.log(-torch.log(u))
+        else:
+            gumbel = torch.zeros((b, gamma, vocab))
+        feeds = {
+            "block_ids": block_ids, "position_ids": position_ids, "past_mask": self._past_mask(attn_mask, write_slots),
+            **cache_feeds(k_cache, v_cache),
+            "temperature": torch.full((b,), float(temperature), dtype=torch.float32),
+            "gumbel": gumbel, "threshold": torch.tensor(0.0, dtype=torch.float32),
+            "sps": torch.ones(1, dtype=torch.float32),  # M == 1: the threshold policy (the proposer applies it)
+        }
+        out = self.block_graph.run(feeds, ["tokens", "markov_logits", "conf_logits"])
+        probs = torch.softmax(out["markov_logits"] / temperature, dim=-1) if temperature > 0 else None
+        return out["tokens"], probs, out["conf_logits"]
+
+    def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        temps = self.sts_temperatures[: conf_logits.shape[-1]].to(conf_logits.device)
+        return torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=-1)
