@@ -1,0 +1,172 @@
+"""The ONNX Runtime backend on tiny exported engines: same tokens as the torch backend, same drafts,
+no cache copies, clear errors. (The real SmolLM2 engines: test_ort_smollm2.py.)"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _onnx_tiny import make_drafters, make_target, write_hf_target
+from specrt.export.checkpoints.drafters import save_drafter
+from specrt.export.errors import SpecrtError
+from specrt.export.export import main as export_main
+from specrt.runtime.backends.ort_models import split_window_mask
+from specrt.runtime.pipeline import Pipeline
+from specrt.runtime.sampling import SamplingParams
+
+pytest.importorskip("onnxruntime")
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+KINDS = ("eagle3", "dflash", "dspark")
+PROMPTS = [[5, 9, 23, 7], [3, 44, 12, 60, 8, 31, 2], [17]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ort")
+    target = make_target()
+    with torch.no_grad():  # sharper distributions: greedy paths without near-ties between backends
+        target.lm_head.weight.mul_(3.0)
+    drafters = make_drafters(target)
+    write_hf_target(root / "tiny", target)
+    engines = {}
+    for kind in KINDS:
+        save_drafter(drafters[kind], root / f"ckpt-{kind}", dtype=torch.float32)
+        out = root / f"engine-{kind}"
+        assert export_main(["--drafter", kind, "--target", str(root / "tiny"), "--drafter-ckpt",
+                            str(root / f"ckpt-{kind}"), "--out", str(out), "--quiet"]) == 0
+        engines[kind] = out
+    out = root / "engine-none"
+    assert export_main(["--drafter", "none", "--target", str(root / "tiny"), "--out", str(out), "--quiet"]) == 0
+    engines["none"] = out
+    return {"root": root, "engines": engines}
+
+
+def torch_pipeline(folders, kind: str = "none") -> Pipeline:
+    ckpt = None if kind == "none" else folders["root"] / f"ckpt-{kind}"
+    return Pipeline.from_checkpoint(folders["root"] / "tiny", drafter=kind, drafter_ckpt=ckpt)
+
+
+def test_split_window_mask_matches_the_slot_view():
+    g = torch.Generator().manual_seed(0)
+    b, t, w = 2, 4, 9
+    mask = torch.rand(b, t, w, generator=g) > 0.4
+    slots = torch.tensor([[3, 4, 5, 6], [5, 7, 7, 8]])  # row 1 repeats slot 7 (padding)
+    past, tree = split_window_mask(mask, slots)
+    for bi in range(b):
+        own = set(slots[bi].tolist())
+        for ti in range(t):
+            for s in range(w):
+                assert past[bi, ti, s] == (mask[bi, ti, s] and s not in own)
+            for u in range(t):
+                first = slots[bi].tolist().index(int(slots[bi, u])) == u
+                assert tree[bi, ti, u] == (bool(mask[bi, ti, slots[bi, u]]) and first)
+
+
+def test_plain_decoding_equals_torch(folders):
+    ort_pipe = Pipeline.from_engines(folders["engines"]["none"])
+    ref = torch_pipeline(folders).generate_ids(PROMPTS, 24)
+    got = ort_pipe.generate_ids(PROMPTS, 24)
+    assert got.tokens == ref.tokens
+    assert ort_pipe.proposer is None and ort_pipe.backend == "ort"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, kind):
+    plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
+    torch_spec = torch_pipeline(folders, kind)
+    ort_pipe = Pipeline.from_engines(folders["engines"][kind], draft_options=torch_spec_options(torch_spec))
+    assert ort_pipe.proposer.name == kind
+    for i, prompt in enumerate(PROMPTS):  # batch 1
+        got = ort_pipe.generate_ids([prompt], 24)
+        ref = torch_spec.generate_ids([prompt], 24)
+        assert got.tokens[0] == plain.tokens[i]
+        assert got.tokens == ref.tokens
+        # the same drafts were proposed and accepted, round by round: the drafter graphs behave as torch
+        assert got.stats[0].accepted_per_position == ref.stats[0].accepted_per_position
+        assert got.stats[0].rounds == ref.stats[0].rounds
+    batched = ort_pipe.generate_ids(PROMPTS, 24)  # batch 3, different prompt lengths
+    assert batched.tokens == plain.tokens
+
+
+def torch_spec_options(pipe: Pipeline):
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    p = pipe.proposer
+    if p.name == "eagle3":
+        return DraftOptions(p.top_k, p.depth, p.total_tokens)
+    return DraftOptions(confidence_threshold=p.threshold)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_runs_and_is_reproducible(folders, kind):
+    pipe = Pipeline.from_engines(folders["engines"][kind])
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    a = pipe.generate_ids(PROMPTS[:2], 16, sampling)
+    b = pipe.generate_ids(PROMPTS[:2], 16, sampling)
+    assert a.tokens == b.tokens
+    assert all(0 <= t < 64 for row in a.tokens for t in row)
+
+
+def test_the_cache_is_bound_in_place(folders, monkeypatch):
+    """Every step hands ORT the engine's own cache buffers: nothing copies the K/V cache."""
+    from specrt.runtime.backends.ort_session import OrtGraph
+
+    pipe = Pipeline.from_engines(folders["engines"]["dspark"])
+    seen = []
+    original = OrtGraph.run
+
+    def spy(self, feeds, outputs=None):
+        if "past_key_0" in feeds:
+            seen.append((self.path.name, feeds["past_key_0"].data_ptr(), feeds["past_key_0"].is_contiguous()))
+        return original(self, feeds, outputs)
+
+    monkeypatch.setattr(OrtGraph, "run", spy)
+    pipe.generate_ids([PROMPTS[0]], 12)
+    engine = pipe._engine
+    target_ptrs = {ptr for name, ptr, contiguous in seen if name == "target.onnx" and contiguous}
+    assert target_ptrs == {engine.k_cache[0].data_ptr()}
+    drafter_ptrs = {ptr for name, ptr, _ in seen if name == "dspark_block.onnx"}
+    assert drafter_ptrs == {pipe.proposer.k_cache[0].data_ptr()}
+
+
+def test_pipeline_reuses_its_cache_and_grows_it(folders):
+    pipe = Pipeline.from_engines(folders["engines"]["none"])
+    pipe.generate_ids([PROMPTS[0]], 8)
+    first = pipe._engine
+    pipe.generate_ids([PROMPTS[1]], 8)
+    assert pipe._engine is first
+    pipe.generate_ids([PROMPTS[1]], 100)
+    assert pipe._engine.capacity >= 107 and pipe._engine is not first
+
+
+def test_bad_input_is_refused_clearly(folders, tmp_path):
+    with pytest.raises(SpecrtError, match="onnxruntime-gpu"):
+        Pipeline.from_engines(folders["engines"]["none"], device="cuda")
+    with pytest.raises(SpecrtError, match="not dflash"):
+        Pipeline.from_engines(folders["engines"]["eagle3"], drafter="dflash")
+    with pytest.raises(SpecrtError, match="manifest"):
+        Pipeline.from_engines(tmp_path)
+    pipe = Pipeline.from_engines(folders["engines"]["none"])
+    with pytest.raises(SpecrtError, match="supports 128"):
+        pipe.generate_ids([[5] * 100], 64)
+    with pytest.raises(SpecrtError, match="threads"):
+        Pipeline.from_engines(folders["engines"]["none"], threads=0)
+
+
+def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
+    out = subprocess.run(
+        [sys.executable, "-m", "specrt.runtime", "generate", "--engines", str(folders["engines"]["dspark"]),
+         "--prompt", "w5 w9 w23", "--no-chat-template", "--max-new-tokens", "12", "--speedup", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "(ort)" in out.stderr and "drafter: dspark" in out.stderr
+    assert "tau " in out.stderr and "identical output" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "specrt.runtime", "generate", "--backend", "ort", "--prompt", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--engines" in bad.stderr and "Traceback" not in bad.stderr
