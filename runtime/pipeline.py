@@ -44,7 +44,7 @@ class Generation:
 
 class Pipeline:
     def __init__(self, model, tokenizer, proposer, name: str, backend: str,
-                 engine_factory: Callable[[int, int], Any]) -> None:
+                 engine_factory: Callable[[int, int, int], Any]) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.proposer = proposer
@@ -53,6 +53,7 @@ class Pipeline:
         self._engine_factory = engine_factory
         self._engine = None
         self.config = model.config
+        self.source: str | None = None  # the target checkpoint the weights came from (GGUF / HF folder)
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -74,9 +75,10 @@ class Pipeline:
                 f"export one with --drafter {drafter}, or leave --drafter at auto to use the folder's own",
             )
         proposer = engines.proposer(draft_options)
-        spare = _spare_slots(proposer)
-        return cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
-                   lambda capacity, batch: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
+        pipe = cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
+                   lambda capacity, batch, spare: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
+        pipe.source = engines.manifest.data["target"].get("source")
+        return pipe
 
     @classmethod
     def from_checkpoint(cls, target: str | Path | None = None, drafter: str = "none", drafter_ckpt: str | Path | None = None,
@@ -92,9 +94,16 @@ class Pipeline:
         if drafter != "none":
             shipped_for = loaded.name if target is None else None  # shipped drafters fit the default only
             proposer = load_proposer(drafter, drafter_ckpt, model, draft_options, shipped_for)
-        spare = _spare_slots(proposer)
-        return cls(model, loaded.tokenizer, proposer, loaded.name, "torch",
-                   lambda capacity, batch: TorchTargetEngine(model, capacity, batch, spare_slots=spare))
+        pipe = cls(model, loaded.tokenizer, proposer, loaded.name, "torch",
+                   lambda capacity, batch, spare: TorchTargetEngine(model, capacity, batch, spare_slots=spare))
+        pipe.source = str(loaded.source)
+        return pipe
+
+    def with_proposer(self, proposer) -> "Pipeline":
+        """A pipeline over the same loaded target (sessions / weights shared) with another proposer."""
+        pipe = Pipeline(self.model, self.tokenizer, proposer, self.name, self.backend, self._engine_factory)
+        pipe.source = self.source
+        return pipe
 
     # -- generation ------------------------------------------------------------------------------
     def encode(self, prompt: str, system: str | None = None, chat: bool = True) -> list[int]:
@@ -111,7 +120,7 @@ class Pipeline:
         engine = self._engine
         if engine is None or engine.capacity < needed or engine.batch_size != batch:
             capacity = min(limit, max(needed + CACHE_MARGIN, engine.capacity if engine is not None else 0))
-            self._engine = engine = self._engine_factory(capacity, batch)
+            self._engine = engine = self._engine_factory(capacity, batch, _spare_slots(self.proposer))
         return engine
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256,

@@ -25,7 +25,7 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
     out = tmp_path / "report"
     code = main(["bench", "--drafters", f"dflash={paths['dflash']},dspark={paths['dspark']}", "--prompts", "2",
                  "--max-new-tokens", "8", "--check-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "4",
-                 "--out", str(out)])
+                 "--kv-contexts", "8,40", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     for kind in ("dflash", "dspark"):
@@ -33,5 +33,6 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
         for mode in ("greedy", "t1"):
             assert report["acceptance"][mode][kind]["tau"] >= 1.0
     assert set(report["speed"]) == {"plain", "dflash", "dspark"}
-    assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
+    assert (out / "acceptance.png").stat().st_size > 0 and (out / "speed.png").stat().st_size > 0
+    assert set(report["kv"]) == {"8", "40"} and all(k["ms_per_step"] > 0 for k in report["kv"].values())
     assert "| dflash |" in capsys.readouterr().out

@@ -170,3 +170,35 @@ def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     bad = subprocess.run([sys.executable, "-m", "specrt.runtime", "generate", "--backend", "ort", "--prompt", "x"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--engines" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path, monkeypatch, capsys):
+    """`specrt bench --engines a,b,c` on the tiny engines: tables, plots, lossless counts, peer notes."""
+    import json
+
+    import specrt.tools.datasets as datasets
+    from specrt.runtime.cli import main
+
+    # the tiny vocabulary has no chat text: feed MT-bench-shaped questions made of its own words
+    monkeypatch.setattr(datasets, "mtbench_questions", lambda: [{"turns": ["w5 w9 w23"]}, {"turns": ["w40 w2"]}])
+    out = tmp_path / "report"
+    engines = ",".join(str(folders["engines"][k]) for k in KINDS)
+    code = main(["bench", "--engines", engines, "--prompts", "2", "--max-new-tokens", "10", "--check-tokens", "10",
+                 "--speed-prompts", "2", "--speed-tokens", "6", "--kv-contexts", "8,40", "--threads", "1",
+                 "--compare", "llama.cpp", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["backend"] == "ort"
+    for kind in KINDS:
+        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 10}
+        assert report["acceptance"]["greedy"][kind]["tau"] >= 1.0
+    assert set(report["speed"]) == {"plain", *KINDS}
+    # the tiny target is an HF folder: llama.cpp is reported as not run, with the reason
+    assert report["peers"]["llama.cpp"]["ran"] is False
+    assert "GGUF" in report["peers"]["llama.cpp"]["note"] or "not installed" in report["peers"]["llama.cpp"]["note"]
+    assert (out / "speed.png").stat().st_size > 0
+    assert "llama.cpp" in capsys.readouterr().out
+    from specrt.tools.peers import make_peers
+
+    with pytest.raises(SpecrtError, match="unknown peer"):
+        make_peers(["vllm"], None, 1, 64)

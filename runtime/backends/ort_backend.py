@@ -49,25 +49,26 @@ class OrtEngines:
     def name(self) -> str:
         return str(self.manifest.data.get("name", self.folder.name))
 
-    def draft_defaults(self):
-        """DraftOptions from the manifest's recorded defaults (tree shape, DSpark threshold)."""
-        from specrt.runtime.proposers.factory import DraftOptions
-
-        section = self.manifest.data.get("drafter") or {}
-        tree = section.get("tree") or {}
-        policy = section.get("policy") or {}
-        return DraftOptions(
-            tree_top_k=int(tree.get("top_k", 4)), tree_depth=int(tree.get("depth", 5)),
-            tree_tokens=int(tree.get("total_tokens", 16)),
-            confidence_threshold=float(policy.get("threshold", 0.1) or 0.0),
-        )
-
     def proposer(self, options=None):
         from specrt.runtime.proposers.factory import proposer_for
 
         if self.drafter is None:
             return None
-        return proposer_for(self.drafter_kind, self.drafter, options or self.draft_defaults())
+        return proposer_for(self.drafter_kind, self.drafter, options or manifest_draft_defaults(self.manifest.data))
+
+
+def manifest_draft_defaults(data: dict[str, Any]):
+    """DraftOptions from a manifest's recorded defaults (EAGLE-3 tree shape, DSpark threshold)."""
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    section = data.get("drafter") or {}
+    tree = section.get("tree") or {}
+    policy = section.get("policy") or {}
+    return DraftOptions(
+        tree_top_k=int(tree.get("top_k", 4)), tree_depth=int(tree.get("depth", 5)),
+        tree_tokens=int(tree.get("total_tokens", 16)),
+        confidence_threshold=float(policy.get("threshold") or 0.0),
+    )
 
 
 def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,

@@ -1,0 +1,170 @@
+"""The peers `specrt bench --compare` runs beside specrt: llama.cpp and ONNX Runtime GenAI.
+
+Each peer gets the same model weights, the same prompt token ids, the same thread count and the same
+greedy max-new-tokens, and is timed the way specrt is (prefill + decode of one request, batch 1):
+
+- llama.cpp (`llama-cpp-python`) on the same GGUF file specrt loads (the embedded default is Q4_1:
+  llama.cpp computes on the 4-bit weights, specrt on the dequantized fp32 ones);
+- onnxruntime-genai on models its own builder (`onnxruntime_genai.models.builder`) made from the
+  same weights, fp32 and int4 (RTN, block 32). The builder reads a Hugging Face folder, so the
+  target is first written as one (`write_hf_folder`: config.json, model.safetensors, tokenizer).
+  Built models are cached under ~/.cache/specrt/peers/<target name>/.
+
+A peer that is not installed is reported as missing with the pip command that installs it; the
+bench goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+PEERS = ("llama.cpp", "ort-genai")
+INSTALL = {"llama.cpp": "pip install llama-cpp-python", "ort-genai": "pip install onnxruntime-genai"}
+
+
+@dataclass
+class PeerRun:
+    name: str
+    generate: Callable[[Sequence[int], int], int] | None  # (prompt ids, max new tokens) -> new tokens made
+    note: str = ""
+
+
+def peers_cache(target_name: str) -> Path:
+    root = Path(os.environ.get("SPECRT_CACHE", Path.home() / ".cache" / "specrt"))
+    return root / "peers" / target_name
+
+
+def write_hf_folder(loaded_target, folder: Path) -> Path:
+    """The loaded target as a Hugging Face Llama folder (fp32 safetensors + tokenizer files)."""
+    from safetensors.torch import save_file
+
+    model, cfg = loaded_target.model, loaded_target.model.config
+    folder.mkdir(parents=True, exist_ok=True)
+    tied = cfg.tie_word_embeddings
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": tied,
+        "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+    }
+    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "do_sample": False}))
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("lm_head") and tied:
+            continue
+        key = name if name.startswith("lm_head") else f"model.{name}"
+        state[key] = tensor.detach().float().contiguous().clone()
+    save_file(state, str(folder / "model.safetensors"))
+    loaded_target.tokenizer.save(folder)
+    return folder
+
+
+def build_genai_model(loaded_target, precision: str, threads: int, progress=print) -> Path:
+    """onnxruntime-genai's own build of the target (cached), with its session threads set."""
+    root = peers_cache(loaded_target.name)
+    out = root / f"ort-genai-{precision}"
+    if not (out / "genai_config.json").is_file():
+        hf = root / "hf"
+        if not (hf / "model.safetensors").is_file():
+            progress(f"writing {loaded_target.name} as a Hugging Face folder for the genai builder -> {hf}")
+            write_hf_folder(loaded_target, hf)
+        progress(f"building the onnxruntime-genai {precision} model (its builder, once) -> {out}")
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+               "-p", precision, "-e", "cpu", "-c", str(root / "builder-cache")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not (out / "genai_config.json").is_file():
+            raise RuntimeError(f"the genai builder failed: {done.stderr.strip().splitlines()[-1:]} ({' '.join(cmd)})")
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    session = config["model"]["decoder"].setdefault("session_options", {})
+    session["intra_op_num_threads"] = int(threads)
+    session["inter_op_num_threads"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def genai_peer(loaded_target, precision: str, threads: int, progress=print) -> PeerRun:
+    name = f"ort-genai {precision}"
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return PeerRun(name, None, f"not installed ({INSTALL['ort-genai']})")
+    try:
+        folder = build_genai_model(loaded_target, precision, threads, progress)
+    except RuntimeError as err:
+        return PeerRun(name, None, str(err))
+    model = og.Model(str(folder))
+
+    def generate(prompt: Sequence[int], max_new: int) -> int:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + max_new, batch_size=1)
+        generator = og.Generator(model, params)
+        generator.append_tokens(list(prompt))
+        made = 0
+        while not generator.is_done() and made < max_new:
+            generator.generate_next_token()
+            made += 1
+        return made
+
+    return PeerRun(name, generate, f"onnxruntime-genai {og.__version__}, its builder's {precision} CPU model")
+
+
+def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
+    name = "llama.cpp"
+    try:
+        import llama_cpp
+    except ImportError:
+        return PeerRun(name, None, f"not installed ({INSTALL['llama.cpp']})")
+    if gguf is None:
+        return PeerRun(name, None, "the target is not a GGUF file (llama.cpp runs GGUF only)")
+    llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                          n_batch=512, verbose=False, logits_all=False)
+    eos = {llm.token_eos()}
+
+    def generate(prompt: Sequence[int], max_new: int) -> int:
+        llm.reset()
+        made = 0
+        for token in llm.generate(list(prompt), temp=0.0, top_k=1, reset=True):
+            if token in eos:
+                break
+            made += 1
+            if made >= max_new:
+                break
+        return made
+
+    quant = Path(gguf).name
+    return PeerRun(name, generate, f"llama-cpp-python {llama_cpp.__version__} on {quant}")
+
+
+def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, progress=print) -> list[PeerRun]:
+    from specrt.export.errors import SpecrtError
+
+    runs: list[PeerRun] = []
+    for name in names:
+        if name not in PEERS:
+            raise SpecrtError(f"--compare: unknown peer {name!r}", f"use a comma list of {', '.join(PEERS)}")
+        if name == "llama.cpp":
+            source = Path(str(loaded_target.source))
+            runs.append(llamacpp_peer(source if source.suffix == ".gguf" else None, threads, context))
+        else:
+            runs += [genai_peer(loaded_target, p, threads, progress) for p in ("fp32", "int4")]
+    return runs
+
+
+def time_peer(run: PeerRun, prompt: Sequence[int], max_new: int) -> tuple[int, float]:
+    start = time.perf_counter()
+    made = run.generate(prompt, max_new)
+    return made, time.perf_counter() - start
