@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for specrt and the peers (default: all cores)")
     p.add_argument("--target", help="torch: HF folder or .gguf (default: the embedded default)")
     p.add_argument("--drafters", default="", help="torch: comma list KIND=PATH (default: the shipped drafters)")
-    p.add_argument("--compare", default="", help="comma list of peers to time beside specrt: llama.cpp,ort-genai")
+    p.add_argument("--compare", default="", help="comma list of peers to time beside specrt: torch (its own torch backend), llama.cpp, ort-genai")
     p.add_argument("--prompts", type=int, default=80, help="MT-bench first turns to use (max 80)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--check-tokens", type=int, default=64, help="greedy tokens compared with plain decoding")
@@ -248,7 +248,14 @@ def _loaded_target_for_peers(plain):
     """The target as a torch checkpoint (peers need its GGUF path and, for genai, its weights)."""
     from specrt.export.checkpoints import load_target
 
-    return load_target(plain.source)
+    from specrt.export.default_model import find_default_gguf
+
+    try:
+        default = find_default_gguf()
+    except Exception:  # the embedded default is not installed: only the named source can be loaded
+        default = None
+    same = default is not None and plain.source and Path(plain.source).resolve() == Path(default).resolve()
+    return load_target(None if same else plain.source)  # the default keeps its canonical name (peer cache)
 
 
 def measure_kv_cost(plain, contexts, steps: int = 32) -> dict:

@@ -1,4 +1,5 @@
-"""The peers `specrt bench --compare` runs beside specrt: llama.cpp and ONNX Runtime GenAI.
+"""The peers `specrt bench --compare` runs beside specrt: llama.cpp, ONNX Runtime GenAI, and specrt's
+own torch backend (plain decoding; so the ORT backend is compared with it in the same run).
 
 Each peer gets the same model weights, the same prompt token ids, the same thread count and the same
 greedy max-new-tokens, and is timed the way specrt is (prefill + decode of one request, batch 1):
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-PEERS = ("llama.cpp", "ort-genai")
+PEERS = ("torch", "llama.cpp", "ort-genai")
 INSTALL = {"llama.cpp": "pip install llama-cpp-python", "ort-genai": "pip install onnxruntime-genai"}
 
 
@@ -149,6 +150,29 @@ def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
     return PeerRun(name, generate, f"llama-cpp-python {llama_cpp.__version__} on {quant}")
 
 
+def torch_peer(loaded_target, threads: int) -> PeerRun:
+    """specrt's torch backend, plain greedy decoding on the same fp32 weights."""
+    import torch
+
+    from specrt.runtime.backends.torch_backend import TorchTargetEngine
+    from specrt.runtime.generate import generate_autoregressive
+    from specrt.runtime.sampling import SamplingParams
+
+    model = loaded_target.model
+    engines: dict[int, TorchTargetEngine] = {}
+
+    def generate(prompt: Sequence[int], max_new: int) -> int:
+        torch.set_num_threads(threads)
+        need = len(prompt) + max_new + 8
+        engine = engines.get(need) or engines.setdefault(need, TorchTargetEngine(model, need))
+        model.set_taps(())
+        result = generate_autoregressive(engine, [list(prompt)], max_new, SamplingParams(0.0),
+                                         model.config.eos_token_ids)
+        return result.stats[0].new_tokens
+
+    return PeerRun("specrt torch", generate, f"specrt's torch backend, torch {torch.__version__}, fp32")
+
+
 def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, progress=print) -> list[PeerRun]:
     from specrt.export.errors import SpecrtError
 
@@ -156,7 +180,9 @@ def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, 
     for name in names:
         if name not in PEERS:
             raise SpecrtError(f"--compare: unknown peer {name!r}", f"use a comma list of {', '.join(PEERS)}")
-        if name == "llama.cpp":
+        if name == "torch":
+            runs.append(torch_peer(loaded_target, threads))
+        elif name == "llama.cpp":
             source = Path(str(loaded_target.source))
             runs.append(llamacpp_peer(source if source.suffix == ".gguf" else None, threads, context))
         else:
