@@ -12,6 +12,7 @@ import importlib
 SUBCOMMANDS = {
     "generate": ("specrt.runtime.cli_generate", "generate text with a target (and, later, a drafter)"),
     "export": ("specrt.export.export", "export the target and a drafter to ONNX (engines/NAME)"),
+    "build": ("specrt.export.build", "build TensorRT plans (with specrt's plugins) for an engine folder"),
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
     "bench": ("specrt.tools.bench", "tau, acceptance per position and speedup on MT-bench"),
     "doctor": ("specrt.runtime.cli_doctor", "show what this machine can run and where the default model is"),
