@@ -62,7 +62,7 @@ class Limits:
     capacity: int = 2048
     block: int | None = None  # DFlash / DSpark block size (a fixed dim)
 
-    def validate(self) -> "Limits":
+    def validate(self) -> Limits:
         for name in ("max_batch", "max_prefill", "max_step", "capacity"):
             if int(getattr(self, name)) < 1:
                 raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}",
@@ -175,7 +175,8 @@ def check_confidence_limits(manifest: dict[str, Any], limits: Limits, plugins: b
     uses = any("specrt::ConfidenceTruncate" in (g.get("custom_ops") or []) for g in manifest.get("graphs", {}).values())
     if uses and limits.max_batch * (limits.block or 1) > AOT_BLOCK:
         raise SpecrtError(f"--max-batch {limits.max_batch} x block {limits.block} exceeds the {AOT_BLOCK} candidates "
-                          "the ConfidenceTruncate plugin is compiled for", "lower --max-batch, or build with --no-plugins")
+                          "the ConfidenceTruncate plugin is compiled for",
+                          "lower --max-batch, or build with --no-plugins")
 
 
 # -- plugins ------------------------------------------------------------------------------------------
@@ -210,7 +211,6 @@ def plugin_model(model: Any, aot: bool = True) -> list[str]:
     aot=1 selects the ahead-of-time implementation. Returns the op types marked.
     """
     from onnx import helper
-
     from specrt.plugins.onnx_ops import DOMAIN
 
     marked: list[str] = []
@@ -276,7 +276,8 @@ def record_plans(manifest: dict[str, Any], records: dict[str, dict[str, Any]], f
     return data
 
 
-def check_plan_compatible(record: dict[str, Any], compute_capability: str, trt_version: str, folder: str = "FOLDER") -> None:
+def check_plan_compatible(record: dict[str, Any], compute_capability: str, trt_version: str,
+                          folder: str = "FOLDER") -> None:
     """Refuse a plan built for another GPU or TensorRT: TensorRT plans are portable across neither."""
     built_cc, built_trt = str(record.get("compute_capability")), str(record.get("tensorrt_version"))
     graph = record.get("graph", "?")
@@ -290,7 +291,7 @@ def check_plan_compatible(record: dict[str, Any], compute_capability: str, trt_v
             REBUILD.format(folder=folder))
 
 
-def pick_profile(profiles: list[dict[str, Any]] | list[Profile], shapes: dict[str, Sequence[int]]) -> int:
+def pick_profile(profiles: Sequence[dict[str, Any] | Profile], shapes: dict[str, Sequence[int]]) -> int:
     """Index of the first profile whose ranges hold the call's input shapes (recorded or Profile objects)."""
     for i, p in enumerate(profiles):
         prof = p if isinstance(p, Profile) else Profile(p["name"], {k: tuple(v) for k, v in p["shapes"].items()})
@@ -369,7 +370,6 @@ def build_plan(onnx_path: Path, profiles: list[Profile], options: BuildOptions) 
 def _register(options: BuildOptions, plugin_libs: list[Path]) -> set[str]:
     """Register specrt's plugins (+ libraries); the plugin ids TensorRT now knows in namespace specrt."""
     import tensorrt as trt
-
     from specrt.plugins.trt_plugins import register_plugins
 
     available = set(register_plugins())

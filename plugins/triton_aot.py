@@ -75,13 +75,15 @@ def trim_hidden_params(ptx: str, name: str, expected: int, metadata: Any = None)
     for field in ("global_scratch_size", "profile_scratch_size"):
         if metadata is not None and int(getattr(metadata, field, 0) or 0) != 0:
             raise SpecrtError(f"the Triton kernel {name} needs {field}={getattr(metadata, field)}, which TensorRT "
-                              "does not allocate", "report this as a specrt bug (the kernels are written without scratch)")
+                              "does not allocate",
+                              "report this as a specrt bug (the kernels are written without scratch)")
     body = ptx[end:]
     for decl in params[expected:]:
         param_name = decl.split()[-1]
         if re.search(re.escape(param_name) + r"\b", body):
             raise SpecrtError(f"the Triton kernel {name} reads its hidden parameter {param_name}",
-                              "use a Triton version whose kernels need no scratch pointer (triton<=3.2) for AOT plugins")
+                              "use a Triton version whose kernels need no scratch pointer (triton<=3.2) "
+                              "for AOT plugins")
     return ptx[:start] + "\n\t" + ",\n\t".join(params[:expected]) + "\n" + ptx[end:]
 
 
@@ -116,7 +118,8 @@ def current_target() -> tuple[int, int]:
     import torch
 
     if not torch.cuda.is_available():
-        raise SpecrtError("no CUDA device to compile the Triton kernels for", "build TensorRT engines on the GPU that runs them")
+        raise SpecrtError("no CUDA device to compile the Triton kernels for",
+                          "build TensorRT engines on the GPU that runs them")
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor, 32
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from specrt.export.errors import SpecrtError
 
 try:
@@ -88,7 +87,7 @@ if triton is not None:
         ok = (theta > previous) & (val > -0.5) & (count <= last)
         stops = tl.sum(tl.where(upto & (ok == 0)[None, :], 1, 0), axis=1)
         admitted = lane & (stops == 0)
-        for b in range(0, batch):
+        for b in range(batch):
             mine = lane & (bb == b)
             sps_len = tl.sum(tl.where(mine & admitted, 1, 0), axis=0)
             threshold_len = tl.min(tl.where(mine, fail_k, steps), axis=0)

@@ -37,7 +37,6 @@ import math
 from typing import Any
 
 import torch
-
 from specrt.export.errors import SpecrtError
 
 try:  # the kernels need triton; the module still imports without it (the wrappers then refuse)

@@ -40,19 +40,19 @@ class SymExpr(Protocol):
     def constant_value(self) -> int: ...
 
 
-class ShapeExprs(Protocol):
+class ShapeExprsLike(Protocol):
     def __getitem__(self, index: int) -> SymExpr: ...
     def __len__(self) -> int: ...
 
 
-class TensorDesc(Protocol):
-    shape_expr: ShapeExprs
+class TensorDescLike(Protocol):
+    shape_expr: ShapeExprsLike
     dtype: Any  # tensorrt.DataType
 
-    def like(self) -> TensorDesc: ...
+    def like(self) -> TensorDescLike: ...
 
 
-class Tensor(Protocol):
+class TensorLike(Protocol):
     """A plugin tensor at enqueue time; torch reads it through __cuda_array_interface__."""
 
     dtype: Any
@@ -61,7 +61,7 @@ class Tensor(Protocol):
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
 
 
-class KernelLaunchParams(Protocol):
+class KernelLaunchParamsLike(Protocol):
     grid_x: int | SymExpr
     grid_y: int | SymExpr
     grid_z: int | SymExpr
@@ -80,7 +80,7 @@ class PluginAPI(Protocol):
 
     TensorDesc: type
     Tensor: type
-    KernelLaunchParams: Callable[[], KernelLaunchParams]
+    KernelLaunchParams: Callable[[], KernelLaunchParamsLike]
     SymIntExprs: SymIntExprsFactory
 
     def register(self, plugin_id: str, lazy_register: bool = False) -> Callable[[F], F]: ...
@@ -91,7 +91,7 @@ class PluginAPI(Protocol):
                             tactics: Iterable[int] | None = None) -> Any: ...
     def SymInt32(self, value: int | SymExpr) -> SymExpr: ...
     def cdiv(self, first: int | SymExpr, second: int | SymExpr) -> SymExpr: ...
-    def from_shape_expr(self, shape_expr: ShapeExprs | tuple[int | SymExpr, ...], dtype: Any) -> TensorDesc: ...
+    def from_shape_expr(self, shape_expr: ShapeExprsLike | tuple[int | SymExpr, ...], dtype: Any) -> TensorDescLike: ...
 
 
 def tensorrt_available() -> bool:
@@ -143,5 +143,6 @@ def load_plugin_api() -> PluginAPI:
     return cast(PluginAPI, module)
 
 
-__all__ = ["PluginAPI", "TensorDesc", "Tensor", "SymExpr", "ShapeExprs", "KernelLaunchParams", "require_tensorrt",
+__all__ = ["PluginAPI", "TensorDescLike", "TensorLike", "SymExpr", "ShapeExprsLike", "KernelLaunchParamsLike",
+           "require_tensorrt",
            "load_plugin_api", "tensorrt_available", "tensorrt_version", "INSTALL_FIX"]

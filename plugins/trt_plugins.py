@@ -28,12 +28,14 @@ object's own classes rather than from this module's (string) annotations.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol
 
 from specrt.export.errors import SpecrtError
 from specrt.plugins import confidence_truncate as ct_op
 from specrt.plugins import tree_attention as ta_op
-from specrt.plugins.trt_api import PluginAPI, SymExpr, TensorDesc, load_plugin_api
+from specrt.plugins.trt_api import PluginAPI, SymExpr, TensorDescLike, load_plugin_api
+
+TD = TensorDescLike  # short name for the signatures below
 
 NAMESPACE = "specrt"
 PLUGIN_OPS = (ta_op.OP_NAME, ct_op.OP_NAME)
@@ -50,7 +52,8 @@ def triton_dtype(dtype: Any) -> str:
     """tensorrt.DataType (FLOAT / HALF / BF16) -> Triton's pointer element name."""
     name = getattr(dtype, "name", str(dtype)).split(".")[-1].upper()
     if name not in _TRITON_DTYPES:
-        raise SpecrtError(f"the specrt plugins do not support TensorRT data type {name}", "use fp32, fp16 or bf16 graphs")
+        raise SpecrtError(f"the specrt plugins do not support TensorRT data type {name}",
+                          "use fp32, fp16 or bf16 graphs")
     return _TRITON_DTYPES[name]
 
 
@@ -63,7 +66,13 @@ def _constant(expr: SymExpr | int, what: str) -> int:
     return int(expr.constant_value())
 
 
-def attention_scalars(q: Sequence[Any], k: Sequence[Any], pk: Sequence[Any], pm: Sequence[Any]) -> list[Any]:
+class Dims(Protocol):
+    """A shape: trtp.ShapeExprs (symbolic) or a tuple of ints."""
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+def attention_scalars(q: Dims, k: Dims, pk: Dims, pm: Dims) -> list[Any]:
     """The kernel's int32 arguments (ATTENTION_SCALARS order) for contiguous tensors of these shapes.
 
     Works on symbolic shape expressions (the AOT plugin) and on plain ints (the tests compare it with
@@ -79,9 +88,14 @@ def attention_scalars(q: Sequence[Any], k: Sequence[Any], pk: Sequence[Any], pm:
             t * s, s, t * t, t, *q_strides]
 
 
-def confidence_scalars(conf: Sequence[Any], sps: Sequence[Any]) -> list[Any]:
+def confidence_scalars(conf: Dims, sps: Dims) -> list[Any]:
     """(batch, steps, table_len, conf row stride) for a contiguous conf_logits [B, K] and sps [M]."""
     return [conf[0], conf[1], sps[0], conf[1]]
+
+
+def _tuple_of(*types: Any) -> Any:
+    """tuple[types...] built at run time (the classes come from the API object, not from this module)."""
+    return tuple.__class_getitem__(types)
 
 
 def _annotate(fn: Callable[..., Any], annotations: dict[str, Any]) -> Callable[..., Any]:
@@ -103,17 +117,17 @@ def define_tree_attention(trtp: PluginAPI) -> None:
     names = ta_op.INPUTS
     tensor_ann = {name: trtp.TensorDesc for name in names}
 
-    def descriptor(query: TensorDesc, key: TensorDesc, value: TensorDesc, past_key: TensorDesc,
-                   past_value: TensorDesc, past_mask: TensorDesc, tree_mask: TensorDesc, scale: float) -> TensorDesc:
+    def descriptor(query: TD, key: TD, value: TD, past_key: TD,
+                   past_value: TD, past_mask: TD, tree_mask: TD, scale: float) -> TD:
         return query.like()  # output [B, Hq, T, D] in the query's type
 
-    def autotune(query: TensorDesc, key: TensorDesc, value: TensorDesc, past_key: TensorDesc,
-                 past_value: TensorDesc, past_mask: TensorDesc, tree_mask: TensorDesc, outputs: tuple) -> list:
+    def autotune(query: TD, key: TD, value: TD, past_key: TD,
+                 past_value: TD, past_mask: TD, tree_mask: TD, outputs: tuple) -> list:
         floats = FLOAT_TYPES
         return [trtp.AutoTuneCombination(f"{floats}, {floats}, {floats}, {floats}, {floats}, BOOL, BOOL, {floats}")]
 
-    def aot(query: TensorDesc, key: TensorDesc, value: TensorDesc, past_key: TensorDesc, past_value: TensorDesc,
-            past_mask: TensorDesc, tree_mask: TensorDesc, scale: float, outputs: tuple, tactic: int) -> tuple:
+    def aot(query: TD, key: TD, value: TD, past_key: TD, past_value: TD,
+            past_mask: TD, tree_mask: TD, scale: float, outputs: tuple, tactic: int) -> tuple:
         dtype = triton_dtype(query.dtype)
         head_dim = _constant(query.shape_expr[3], "head dimension")
         kernel = compile_kernel(kernels.tree_attention_kernel, kernels.attention_signature(dtype),
@@ -133,17 +147,18 @@ def define_tree_attention(trtp: PluginAPI) -> None:
         import torch
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            args = [_torch_view(x) for x in (query, key, value, past_key, past_value, past_mask, tree_mask)]
-            kernels.tree_attention(*args, scale=scale, out=_torch_view(outputs[0]))
+            q, k, v, pk, pv, pm, tm = (_torch_view(x) for x in (query, key, value, past_key, past_value, past_mask,
+                                                                 tree_mask))
+            kernels.tree_attention(q, k, v, pk, pv, pm, tm, scale=scale, out=_torch_view(outputs[0]))
 
     trtp.register(pid)(_annotate(descriptor, {**tensor_ann, "scale": float, "return": trtp.TensorDesc}))
-    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": tuple[trtp.TensorDesc], "return": list}))
+    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc), "return": list}))
     trtp.aot_impl(pid)(_annotate(aot, {
-        **tensor_ann, "scale": float, "outputs": tuple[trtp.TensorDesc], "tactic": int,
-        "return": tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs],
+        **tensor_ann, "scale": float, "outputs": _tuple_of(trtp.TensorDesc), "tactic": int,
+        "return": _tuple_of(bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs),
     }))
     trtp.impl(pid)(_annotate(impl, {**{n: trtp.Tensor for n in names}, "scale": float,
-                                    "outputs": tuple[trtp.Tensor], "stream": int, "return": None}))
+                                    "outputs": _tuple_of(trtp.Tensor), "stream": int, "return": None}))
 
 
 def define_confidence_truncate(trtp: PluginAPI, float32: Any, int64: Any) -> None:
@@ -155,19 +170,19 @@ def define_confidence_truncate(trtp: PluginAPI, float32: Any, int64: Any) -> Non
     names = ct_op.INPUTS
     tensor_ann = {name: trtp.TensorDesc for name in names}
 
-    def descriptor(conf_logits: TensorDesc, temperatures: TensorDesc, threshold: TensorDesc,
-                   sps: TensorDesc) -> tuple:
+    def descriptor(conf_logits: TD, temperatures: TD, threshold: TD,
+                   sps: TD) -> tuple:
         survival = conf_logits.like()
         survival.dtype = float32
         length = trtp.from_shape_expr((conf_logits.shape_expr[0],), dtype=int64)
         return survival, length
 
-    def autotune(conf_logits: TensorDesc, temperatures: TensorDesc, threshold: TensorDesc, sps: TensorDesc,
+    def autotune(conf_logits: TD, temperatures: TD, threshold: TD, sps: TD,
                  outputs: tuple) -> list:
         floats = FLOAT_TYPES
         return [trtp.AutoTuneCombination(f"{floats}, {floats}, {floats}, {floats}, FP32, INT64")]
 
-    def aot(conf_logits: TensorDesc, temperatures: TensorDesc, threshold: TensorDesc, sps: TensorDesc,
+    def aot(conf_logits: TD, temperatures: TD, threshold: TD, sps: TD,
             outputs: tuple, tactic: int) -> tuple:
         kernel = compile_kernel(kernels.confidence_truncate_kernel, kernels.signature(triton_dtype(conf_logits.dtype)),
                                 kernels.constexprs(), num_warps=8)
@@ -187,15 +202,15 @@ def define_confidence_truncate(trtp: PluginAPI, float32: Any, int64: Any) -> Non
             _torch_view(outputs[0]).copy_(survival)
             _torch_view(outputs[1]).copy_(length)
 
-    trtp.register(pid)(_annotate(descriptor, {**tensor_ann, "return": tuple[trtp.TensorDesc, trtp.TensorDesc]}))
-    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": tuple[trtp.TensorDesc, trtp.TensorDesc],
+    trtp.register(pid)(_annotate(descriptor, {**tensor_ann, "return": _tuple_of(trtp.TensorDesc, trtp.TensorDesc)}))
+    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc, trtp.TensorDesc),
                                             "return": list}))
     trtp.aot_impl(pid)(_annotate(aot, {
-        **tensor_ann, "outputs": tuple[trtp.TensorDesc, trtp.TensorDesc], "tactic": int,
-        "return": tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs],
+        **tensor_ann, "outputs": _tuple_of(trtp.TensorDesc, trtp.TensorDesc), "tactic": int,
+        "return": _tuple_of(bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs),
     }))
     trtp.impl(pid)(_annotate(impl, {**{n: trtp.Tensor for n in names},
-                                    "outputs": tuple[trtp.Tensor, trtp.Tensor], "stream": int, "return": None}))
+                                    "outputs": _tuple_of(trtp.Tensor, trtp.Tensor), "stream": int, "return": None}))
 
 
 def register_plugins(trtp: PluginAPI | None = None, float32: Any = None, int64: Any = None) -> list[str]:
