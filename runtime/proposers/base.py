@@ -33,11 +33,15 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [N, V] the distribution each draft was drawn from
     is_chain: bool = True
     depth: int = 0  # deepest draft position (chain: N)
+    # [N] the drafter's estimate that node i and all its ancestors are accepted (None: not given);
+    # non-increasing along every path. Read by the serving scheduler (specrt.runtime.serving.policy).
+    survival: torch.Tensor | None = None
 
     @staticmethod
-    def chain(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Proposal":
+    def chain(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
+              survival: torch.Tensor | None = None) -> "Proposal":
         n = int(tokens.shape[0])
-        return Proposal(tokens, torch.arange(-1, n - 1, dtype=torch.long), draft_probs, True, n)
+        return Proposal(tokens, torch.arange(-1, n - 1, dtype=torch.long), draft_probs, True, n, survival)
 
     def truncated(self, n: int) -> "Proposal":
         """The first n drafts (valid for trees too: parents precede children)."""
@@ -46,7 +50,8 @@ class Proposal:
         probs = None if self.draft_probs is None else self.draft_probs[:n]
         parents = self.parents[:n]
         depth = n if self.is_chain else _depth(parents)
-        return Proposal(self.tokens[:n], parents, probs, self.is_chain, depth)
+        survival = None if self.survival is None else self.survival[:n]
+        return Proposal(self.tokens[:n], parents, probs, self.is_chain, depth, survival)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -107,9 +107,18 @@ class BlockProposer:
             else:
                 probs = probabilities(logits, sampling)
                 tokens = sample(probs, generator)
+            # survival estimate: running product of each position's top draft probability; it never
+            # looks at the drawn token, so a scheduler reading it keeps sampling lossless
+            if probs is None:
+                scores = logits.float()
+                top = torch.exp(scores.amax(-1) - torch.logsumexp(scores, -1))
+            else:
+                top = probs.amax(-1)
+            survival = top.cumprod(dim=-1)
             keep = torch.full((batch,), tokens.shape[1], dtype=torch.long)
         out = []
         for b in rows:
             n = int(keep[b])
-            out.append(Proposal.chain(tokens[b, :n].cpu(), None if probs is None else probs[b, :n].cpu()))
+            out.append(Proposal.chain(tokens[b, :n].cpu(), None if probs is None else probs[b, :n].cpu(),
+                                      survival[b, :n].float().cpu()))
         return out

@@ -126,4 +126,5 @@ class Eagle3Proposer:
         tree = build_dynamic_tree(
             self.root_logits[b].cpu(), expand, self.top_k, self.depth, self.total_tokens, token_map=self.token_map
         )
-        return Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth)
+        return Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
+                        survival=tree.cum_logprobs.exp().float())
