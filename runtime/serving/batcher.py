@@ -1,0 +1,421 @@
+"""Continuous batching: requests join and leave a fixed set of KV rows between steps.
+
+One `Batcher` owns one target engine with B rows (slots) and, optionally, a proposer over the same
+rows. It is single-threaded: `specrt.runtime.serving.loop.EngineLoop` runs it in the background
+thread of a server; tests and the bench can call `step()` directly.
+
+A step (`step()`):
+  1. reap   cancelled requests finish; their rows are freed (length 0, so they stop widening the
+            attention window) and reused by the next admission;
+  2. admit  waiting requests take the lowest free rows (so busy rows stay packed at the bottom);
+  3. prefill the new requests, batched per run of consecutive rows, as its own engine call over
+            a row view of the engine (`rows.row_view`): running rows are not touched; each new
+            request's first token comes from its own sampling settings and generator, and the
+            proposer ingests its prompt;
+  4. decode  every running request (the new ones included) in one target forward over rows
+            0..hi-1 (hi = highest busy row + 1): draft (grouped by sampling settings), choose the
+            verify lengths (`policy`: fixed or Algorithm 1), verify, commit, emit, observe.
+Plain decoding is the same step with empty proposals (no proposer, or the draft gate closed).
+
+Lossless under batching: a row sees only its own committed slots and its own new tokens (the
+engine's mask), padding is never committed, and verification is per row with the request's own
+sampling settings, so a request's greedy output is its output alone. Sampled outputs have exactly
+the target's distribution; they are reproducible from `seed` only for the same batch history
+(drafts share one random stream across requests, and the verify lengths depend on the batch).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specrt.export.errors import SpecrtError
+from specrt.runtime.engine import causal_mask
+from specrt.runtime.generate import prefill
+from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.sampling import SamplingParams, next_token
+from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
+from specrt.runtime.serving.rows import (proposer_prefix_view, reset_engine_row, reset_proposer_row, row_view, runs,
+                                         supports_views)
+from specrt.runtime.speculative import _accept, _verify_batch
+from specrt.runtime.stats import RequestStats
+from specrt.runtime.tree import kv_keep_indices
+
+log = logging.getLogger("specrt.serving")
+_ids = itertools.count(1)
+EMPTY = Proposal.chain(torch.zeros(0, dtype=torch.long))
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. The batcher fills the fields below the line."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    on_tokens: Callable[["Request", list[int]], None] | None = None  # engine thread: keep it short
+    on_finish: Callable[["Request"], None] | None = None
+    # ---- filled by the batcher
+    id: int = field(default_factory=lambda: next(_ids))
+    row: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None  # eos | length | cache_full | cancelled | error
+    error: str | None = None
+    cancelled: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    anchor: int = -1
+    generator: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class BatcherCounters:
+    steps: int = 0  # decode steps (one target forward each)
+    draft_steps: int = 0  # steps that ran the drafter
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    step_tokens: int = 0  # token positions the decode steps computed (rows x padded length)
+    verify_drafts: int = 0  # drafts sent to verification
+    accepted_drafts: int = 0
+    emitted: int = 0  # tokens emitted by decode steps (tau's numerator)
+    row_steps: int = 0  # sum over decode steps of running requests (tau's denominator)
+    finished: int = 0
+    generated: int = 0  # every token handed to a request (prefill's first tokens included)
+    busy_seconds: float = 0.0
+    finish_reasons: dict = field(default_factory=dict)  # reason -> count
+
+
+class Batcher:
+    """Continuous batching over one engine (module docstring)."""
+
+    def __init__(self, engine, proposer=None, schedule: str = "fixed", sps=None, eos_token_ids=(),
+                 cost: str = "padded", draft_gate: bool = True, draft_seed: int = 0) -> None:
+        if schedule not in SCHEDULES:
+            raise SpecrtError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        if schedule == "confidence" and proposer is not None and sps is None:
+            raise SpecrtError("confidence scheduling needs an SPS table (target steps/s vs verify tokens)",
+                              "run `specrt calibrate` for this engine, or use --schedule fixed")
+        self.engine, self.proposer = engine, proposer
+        self.schedule, self.sps, self.cost = schedule, sps, cost
+        self.slots = int(engine.batch_size)
+        self.capacity = int(engine.capacity)
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        if proposer is not None:
+            need = proposer.max_drafts + 1
+            if getattr(engine, "spare_slots", need) < need:
+                raise SpecrtError(f"the engine has {engine.spare_slots} spare cache slots, the {proposer.name} "
+                                  f"drafter verifies up to {need} tokens per step",
+                                  "build the engine with spare_slots >= the drafter's verify size")
+        engine.set_taps(proposer.tap_layers if proposer is not None else ())
+        engine.reset(self.slots)
+        if proposer is not None:
+            proposer.reset(self.slots, self.capacity)
+        self.views = supports_views(engine)
+        self.gate = DraftGate() if (draft_gate and schedule == "confidence" and proposer is not None) else None
+        self.draft_generator = torch.Generator().manual_seed(int(draft_seed))
+        self.free: list[int] = list(range(self.slots))
+        self.running: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.counters = BatcherCounters()
+        self.last_schedule = None
+
+    # ---------------------------------------------------------------- requests
+    def validate(self, req: Request) -> None:
+        """Refuse what cannot be generated (SpecrtError names the problem and the fix)."""
+        if req.max_tokens < 1:
+            raise SpecrtError(f"max_tokens must be >= 1, got {req.max_tokens}", "ask for at least one token")
+        if not req.prompt:
+            raise SpecrtError("empty prompt", "give at least one token of prompt text")
+        if len(req.prompt) >= self.capacity:
+            raise SpecrtError(f"the prompt has {len(req.prompt)} tokens but the KV cache holds {self.capacity} "
+                              "(one slot must stay free to generate)", "shorten the prompt or raise --capacity")
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in req.prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise SpecrtError(f"token id {bad[0]} is outside the vocabulary (size {vocab})",
+                              "encode the prompt with the model's own tokenizer")
+
+    def add(self, req: Request) -> Request:
+        self.validate(req)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Mark for cancellation; the next step finishes it and frees its row."""
+        req.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def free_rows(self) -> int:
+        return len(self.free)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> bool:
+        """One scheduler iteration; False when there was nothing to do."""
+        start = time.perf_counter()
+        self._reap()
+        new = self._admit()
+        if new:
+            self._prefill(new)
+        active = sorted(self.running)
+        if active:
+            self._decode(active)
+        if new or active:
+            self.counters.busy_seconds += time.perf_counter() - start
+            return True
+        return False
+
+    def run_until_done(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise RuntimeError("run_until_done: step limit reached")
+
+    def fail_all(self, message: str) -> None:
+        """Finish every request with an error (after an engine failure) and start clean."""
+        for req in list(self.running.values()) + list(self.waiting):
+            req.error = message
+            self._finish(req, "error")
+        self.waiting.clear()
+        self.engine.reset(self.slots)
+        if self.proposer is not None:
+            self.proposer.reset(self.slots, self.capacity)
+
+    # ---------------------------------------------------------------- internals
+    def _reap(self) -> None:
+        for req in [r for r in self.running.values() if r.cancelled]:
+            self._finish(req, "cancelled")
+        if any(r.cancelled for r in self.waiting):
+            kept = deque()
+            for req in self.waiting:
+                if req.cancelled:
+                    self._finish(req, "cancelled")
+                else:
+                    kept.append(req)
+            self.waiting = kept
+
+    def _admit(self) -> list[Request]:
+        new = []
+        while self.free and self.waiting:
+            req = self.waiting.popleft()
+            row = self.free.pop(0)
+            req.row, req.started_at = row, time.perf_counter()
+            req.stats = RequestStats(prompt_tokens=len(req.prompt))
+            req.generator = None if req.sampling.greedy else req.sampling.generator()
+            reset_engine_row(self.engine, row)
+            reset_proposer_row(self.proposer, row)
+            self.running[row] = req
+            new.append(req)
+        return new
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.done:
+            return
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        req.stats.finish_reason = reason
+        req.stats.round_tokens = max(req.stats.new_tokens - 1, 0)
+        if req.row is not None and self.running.get(req.row) is req:
+            del self.running[req.row]
+            reset_engine_row(self.engine, req.row)  # idle rows must not widen the attention window
+            bisect.insort(self.free, req.row)
+        self.counters.finished += 1
+        self.counters.finish_reasons[reason] = self.counters.finish_reasons.get(reason, 0) + 1
+        if req.on_finish is not None:
+            try:
+                req.on_finish(req)
+            except Exception:  # a client's callback must never stop the engine
+                log.exception("on_finish callback of request %s failed", req.id)
+
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        """Append tokens, stopping at eos / stop ids / max_tokens / a full cache."""
+        taken, reason = [], None
+        for tok in tokens:
+            taken.append(tok)
+            if (tok in self.eos and not req.ignore_eos) or tok in req.stop_token_ids:
+                reason = "eos"
+                break
+            if len(req.tokens) + len(taken) >= req.max_tokens:
+                reason = "length"
+                break
+        if req.first_token_at is None and taken:
+            req.first_token_at = time.perf_counter()
+        req.tokens.extend(taken)
+        req.stats.new_tokens += len(taken)
+        self.counters.generated += len(taken)
+        if reason is None and int(self.engine.lengths[req.row]) + 1 >= self.capacity:
+            reason = "cache_full"
+        if taken and req.on_tokens is not None:
+            try:
+                req.on_tokens(req, taken)
+            except Exception:
+                log.exception("on_tokens callback of request %s failed", req.id)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _prefill(self, new: list[Request]) -> None:
+        start = time.perf_counter()
+        groups = []  # (requests, logits [n, V], taps [n, T, ...] | None)
+        if self.views:
+            for lo, hi in runs([r.row for r in new]):
+                group = [self.running[row] for row in range(lo, hi)]
+                logits, taps = prefill(row_view(self.engine, lo, hi), [r.prompt for r in group])
+                groups.append((group, logits, taps))
+        else:
+            groups.append(self._prefill_whole_batch(new))
+        self.counters.prefill_calls += len(groups)
+        self.counters.prefill_tokens += sum(len(r.prompt) for r in new)
+        rows, prompts, taps_rows, firsts = [], [], [], []
+        for group, logits, taps in groups:
+            for i, req in enumerate(group):
+                first = int(next_token(logits[i], req.sampling, req.generator))
+                req.anchor = first
+                rows.append(req.row)
+                prompts.append(list(req.prompt))
+                taps_rows.append(None if taps is None else taps[i if self.views else req.row, : len(req.prompt)])
+                firsts.append(first)
+        if self.proposer is not None:
+            self.proposer.observe(rows, prompts, taps_rows, firsts)
+        seconds = time.perf_counter() - start
+        for group, _, _ in groups:
+            for req in group:
+                req.stats.prefill_seconds = seconds
+                self._emit(req, [req.anchor])
+
+    def _prefill_whole_batch(self, new: list[Request]):
+        """Fallback for engines without row views: one forward over all rows, others as padding."""
+        engine, batch = self.engine, self.slots
+        longest = max(len(r.prompt) for r in new)
+        ids = torch.zeros(batch, longest, dtype=torch.long)
+        positions = engine.lengths.clone()[:, None] + torch.arange(longest)[None, :]
+        valid = [0] * batch
+        last = torch.zeros(batch, 1, dtype=torch.long)
+        for req in new:
+            n = len(req.prompt)
+            ids[req.row, :n] = torch.tensor(req.prompt)
+            positions[req.row] = torch.arange(longest)
+            valid[req.row] = n
+            last[req.row, 0] = n - 1
+        logits, taps = engine.forward(ids, positions, causal_mask(batch, longest, valid), last)
+        for req in new:
+            engine.commit(req.row, range(len(req.prompt)))
+        logits = logits[:, 0]
+        return new, torch.stack([logits[r.row] for r in new]), taps
+
+    @contextlib.contextmanager
+    def _full_drafts(self, proposer):
+        """Confidence mode: the scheduler, not DSpark's fixed threshold, decides how much to verify."""
+        if self.schedule != "confidence" or not hasattr(proposer, "threshold"):
+            yield
+            return
+        saved = proposer.threshold
+        proposer.threshold = 0.0
+        try:
+            yield
+        finally:
+            proposer.threshold = saved
+
+    def _propose(self, pview, active: list[int]) -> dict[int, Proposal]:
+        groups: dict[object, list[int]] = {}
+        for row in active:
+            s = self.running[row].sampling
+            groups.setdefault("greedy" if s.greedy else (s.temperature, s.top_k, s.top_p), []).append(row)
+        # block drafters write scratch K/V for every row they are not asked about (at position 0):
+        # with several groups, each call drafts all busy rows and keeps its own group's
+        all_rows = len(groups) > 1 and hasattr(pview, "block_size")
+        out: dict[int, Proposal] = {}
+        with self._full_drafts(pview):
+            for rows in groups.values():
+                sampling = self.running[rows[0]].sampling
+                call = active if all_rows else rows
+                drafted = pview.propose(call, [self.running[r].anchor for r in call], sampling,
+                                        None if sampling.greedy else self.draft_generator)
+                wanted = set(rows)
+                out.update({r: p for r, p in zip(call, drafted) if r in wanted})
+        return out
+
+    def _decode(self, active: list[int]) -> None:
+        engine, c = self.engine, self.counters
+        reqs = [self.running[r] for r in active]
+        hi = active[-1] + 1 if self.views else self.slots
+        view = row_view(engine, 0, hi) if self.views else engine
+        pview = proposer_prefix_view(self.proposer, hi)
+        t0 = time.perf_counter()
+        drafting = self.proposer is not None and (self.gate is None or self.gate.should_draft())
+        proposals: list[Proposal | None] = [None] * hi
+        for row in active:
+            proposals[row] = EMPTY
+        draft_seconds = 0.0
+        if drafting:
+            drafted = self._propose(pview, active)
+            draft_seconds = time.perf_counter() - t0
+            cut = []
+            for row in active:
+                room = self.capacity - 1 - int(engine.lengths[row])  # every verified token needs a slot
+                cut.append(drafted[row].truncated(max(room, 0)))
+            if self.schedule == "confidence":
+                cut, plan = apply_schedule(cut, self.sps, hi, self.cost)
+                self.last_schedule = plan
+                if self.gate is not None:
+                    predicted = plan.tau / (draft_seconds + 1.0 / float(self.sps(plan.tokens)))
+                    self.gate.record(predicted, plan.baseline)
+            for row, p in zip(active, cut):
+                proposals[row] = p if len(p) else EMPTY
+            c.draft_steps += 1
+        anchors = [self.running[r].anchor if r in self.running else 0 for r in range(hi)]
+        t1 = time.perf_counter()
+        ids, positions, mask = _verify_batch(proposals, anchors, view.lengths)
+        logits, taps = view.forward(ids, positions, mask)
+        t2 = time.perf_counter()
+        c.steps += 1
+        c.step_tokens += int(ids.shape[0] * ids.shape[1])
+        c.row_steps += len(active)
+        obs_rows, obs_tokens, obs_taps, obs_next = [], [], [], []
+        for row in active:
+            req, p = self.running[row], proposals[row]
+            path, bonus = _accept(p, logits[row], req.sampling, req.generator)
+            keep = kv_keep_indices(path)
+            view.commit(row, keep)
+            accepted = [int(p.tokens[i]) for i in path]
+            req.stats.rounds += 1
+            req.stats.record_acceptance(p.depth, len(path))
+            c.verify_drafts += len(p)
+            c.accepted_drafts += len(path)
+            c.emitted += len(accepted) + 1
+            previous = req.anchor
+            req.anchor = bonus
+            self._emit(req, accepted + [bonus])
+            if not req.done and self.proposer is not None:
+                obs_rows.append(row)
+                obs_tokens.append([previous] + accepted)
+                obs_taps.append(None if taps is None else taps[row, keep])
+                obs_next.append(bonus)
+        t3 = time.perf_counter()
+        if obs_rows:
+            pview.observe(obs_rows, obs_tokens, obs_taps, obs_next)
+        t4 = time.perf_counter()
+        for req in reqs:
+            stats = req.stats
+            stats.draft_seconds += draft_seconds + (t4 - t3)
+            stats.verify_seconds += t2 - t1
+            stats.host_seconds += (t1 - t0 - draft_seconds) + (t3 - t2)
