@@ -116,8 +116,9 @@ def _load() -> ModuleType:
     except Exception as err:  # a broken install (missing libnvinfer, no CUDA driver) raises other errors
         raise SpecrtError(f"TensorRT cannot be loaded ({type(err).__name__}: {str(err)[:200]})", INSTALL_FIX) from None
     if not hasattr(trt, "Builder"):
-        raise SpecrtError("the installed `tensorrt` package has no Builder (PyPI's placeholder, or a partial install)",
-                          INSTALL_FIX)
+        # e.g. PyPI's placeholder, or only tensorrt-stubs (whose folder imports as an empty namespace package)
+        raise SpecrtError("TensorRT is not installed: the importable `tensorrt` has no Builder (a placeholder, "
+                          "type stubs only, or a partial install)", INSTALL_FIX)
     return trt
 
 
