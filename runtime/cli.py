@@ -16,6 +16,9 @@ SUBCOMMANDS = {
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
     "bench": ("specrt.tools.bench", "tau, acceptance per position and speedup on MT-bench"),
     "doctor": ("specrt.runtime.cli_doctor", "show what this machine can run and where the default model is"),
+    "serve": ("specrt.runtime.cli_serve", "OpenAI-compatible HTTP server with batched speculative decoding"),
+    "calibrate": ("specrt.runtime.cli_calibrate", "profile SPS(B), target steps/s vs verify tokens, on this device"),
+    "bench-serving": ("specrt.tools.bench_serving", "throughput and latency at concurrency 1..16: plain, fixed, scheduled"),
 }
 
 

@@ -1,0 +1,67 @@
+"""`specrt serve`: an OpenAI-compatible HTTP server over batched speculative decoding.
+
+    specrt serve --engines engines/NAME                       (ONNX Runtime, the folder's drafter)
+    specrt serve --backend torch --drafter dspark --drafter-ckpt runs/dspark/drafter
+    specrt serve --engines engines/NAME --drafter none        (plain decoding)
+
+Endpoints and behaviour: `specrt.runtime.serving.server`; batching: `specrt.runtime.serving.batcher`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specrt.runtime.serving.loading import add_batch_arguments, add_model_arguments
+
+    add_model_arguments(p)
+    add_batch_arguments(p)
+    s = p.add_argument_group("HTTP")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model-name", help="model id served besides `default` (default: the engine's name)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    s.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specrt.export.errors import SpecrtError
+    from specrt.runtime.cli_generate import resolve_backend
+    from specrt.runtime.serving.loading import (check_batch_arguments, load_pipeline, make_batcher, make_engine,
+                                              sps_for)
+
+    check_batch_arguments(args)
+    resolve_backend(args)
+    if args.max_queue < 1 or args.request_timeout <= 0 or args.default_max_tokens < 1:
+        raise SpecrtError("--max-queue, --request-timeout and --default-max-tokens must be positive",
+                          "e.g. --max-queue 64 --request-timeout 300 --default-max-tokens 256")
+    try:
+        import fastapi  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise SpecrtError(f"the server needs {exc.name}", "pip install 'specrt[serve]'") from None
+    from specrt.runtime.serving.loop import EngineLoop
+    from specrt.runtime.serving.server import ServeConfig, create_app
+
+    start = time.perf_counter()
+    pipe = load_pipeline(args)
+    engine = make_engine(pipe, args.slots, args.capacity)
+    sps = sps_for(pipe, engine, args)
+    batcher = make_batcher(pipe, engine, args.schedule, sps, draft_gate=not args.no_draft_gate)
+    loop = EngineLoop(batcher, max_queue=args.max_queue).start()
+    name = args.model_name or pipe.name
+    app = create_app(loop, pipe.tokenizer, ServeConfig(name, args.default_max_tokens, args.request_timeout))
+    drafter = pipe.proposer.name if pipe.proposer is not None else "none (plain decoding)"
+    print(f"loaded {pipe.name} ({pipe.backend}) in {time.perf_counter() - start:.1f}s | drafter {drafter} | "
+          f"schedule {batcher.schedule} | {batcher.slots} slots x {batcher.capacity} tokens", file=sys.stderr)
+    print(f"serving '{name}' and 'default' on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        loop.stop()
+    return 0

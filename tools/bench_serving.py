@@ -1,0 +1,305 @@
+"""Serving throughput and latency at several concurrencies: plain vs fixed vs scheduled speculation.
+
+    python -m specrt.tools.bench_serving --engines engines/A,engines/B --concurrency 1,2,4,8,16 --out docs/serving
+    specrt bench-serving --backend torch --drafters dspark=runs/dspark/drafter --concurrency 1,4,16
+
+What runs: for every concurrency c, c closed-loop clients (a finished request is replaced at once
+by the next one) drive the same `Batcher` the server runs, in-process (no HTTP, so the numbers are
+the engine's), with c KV rows. Modes per drafter:
+  plain      the target alone (the same for every drafter: measured once)
+  fixed      every draft verified as proposed (`--schedule fixed`)
+  scheduled  DSpark's Algorithm 1 over the drafts' survivals and SPS(B), draft gate on
+             (`--schedule confidence`); SPS from the engine folder's sps.json, else a quick profile.
+Measured per run: throughput (generated tokens / wall time of the run), per-request latency
+(submit -> last token) p50/p90, time to first token p50, tau (tokens per request-step). With
+--repeats > 1 every configuration runs that many times, interleaved, and the table shows the mean
+and the spread (min..max) of the throughput, so "never slower than plain" can be judged against it.
+Greedy runs check every request's tokens against plain decoding's (column `same`).
+Writes serving.json, serving.md and serving.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MODES = ("plain", "fixed", "scheduled")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default="", help="comma list of engine folders, one drafter each (ort)")
+    p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
+                   help="auto: ort with --engines, torch otherwise")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
+    p.add_argument("--target", help="torch: HF folder or .gguf (default: the embedded default)")
+    p.add_argument("--drafters", default="", help="torch: comma list KIND=PATH (default: the shipped drafters)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree (default: engine folder's / 4)")
+    p.add_argument("--tree-depth", type=int, default=None)
+    p.add_argument("--tree-tokens", type=int, default=None)
+    p.add_argument("--confidence-threshold", type=float, default=None, help="DSpark in the fixed mode")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma list of concurrent clients")
+    p.add_argument("--requests", type=int, default=0, help="requests per run (default: 2 x concurrency, >= 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts", default="mtbench", choices=["mtbench", "synthetic"],
+                   help="MT-bench first turns (chat template), or random token ids of --prompt-len")
+    p.add_argument("--prompt-len", type=int, default=32, help="synthetic prompt length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against plain)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of plain, fixed, scheduled")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (spread reported)")
+    p.add_argument("--sps", help="SPS table for the scheduled mode (default: each folder's sps.json / a quick profile)")
+    p.add_argument("--out", type=Path, default=Path("docs/serving"))
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_list(text: str, name: str) -> list[int]:
+    from specrt.export.errors import SpecrtError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecrtError(f"--{name} must be a comma list of integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16") from None
+    if not values or any(v < 1 for v in values):
+        raise SpecrtError(f"--{name} needs positive integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16")
+    return values
+
+
+def make_prompts(args, tokenizer, vocab: int, count: int) -> list[list[int]]:
+    import torch
+
+    if args.prompts == "mtbench":
+        from specrt.tools.datasets import mtbench_questions
+
+        questions = mtbench_questions()
+        return [tokenizer.encode_chat(questions[i % len(questions)]["turns"][0]) for i in range(count)]
+    g = torch.Generator().manual_seed(args.seed)
+    return [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
+
+
+def build(args: argparse.Namespace):
+    """(plain pipeline, {drafter: pipeline}, backend, {drafter: engine folder}); flags as `specrt bench`."""
+    from specrt.export.errors import SpecrtError
+    from specrt.tools.bench import build_pipelines, draft_options
+
+    backend = args.backend if args.backend != "auto" else ("ort" if args.engines else "torch")
+    if backend != "ort":
+        plain, drafted, backend = build_pipelines(args)
+        return plain, drafted, backend, {}
+    from specrt.export.manifest import load_manifest
+    from specrt.runtime.backends.ort_backend import manifest_draft_defaults
+    from specrt.runtime.pipeline import Pipeline
+
+    folders = [f for f in args.engines.split(",") if f]
+    if not folders:
+        raise SpecrtError("--backend ort needs --engines FOLDER[,FOLDER...]",
+                          "export engines first: specrt export --drafter KIND --out engines/NAME")
+    plain, drafted, where = None, {}, {}
+    for folder in folders:
+        defaults = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data)
+        pipe = Pipeline.from_engines(folder, args.device, args.threads, draft_options=draft_options(args, defaults))
+        if pipe.proposer is not None:
+            if pipe.proposer.name in drafted:
+                raise SpecrtError(f"two engine folders hold a {pipe.proposer.name} drafter", "pass one folder per drafter")
+            drafted[pipe.proposer.name], where[pipe.proposer.name] = pipe, folder
+        plain = plain or pipe.with_proposer(None)
+    return plain, drafted, "ort", where
+
+
+def closed_loop(batcher, prompts: list[list[int]], concurrency: int, max_new: int, sampling, ignore_eos: bool):
+    """Keep `concurrency` requests in flight until all prompts are served; returns (requests, seconds)."""
+    from specrt.runtime.serving.batcher import Request
+
+    pending = list(enumerate(prompts))
+    done: list = []
+    requests = [None] * len(prompts)
+    start = time.perf_counter()
+
+    def submit() -> None:
+        i, prompt = pending.pop(0)
+        req = Request(prompt, max_new, sampling, ignore_eos=ignore_eos, on_finish=done.append)
+        requests[i] = batcher.add(req)
+
+    for _ in range(min(concurrency, len(pending))):
+        submit()
+    while not batcher.idle:
+        batcher.step()
+        while done and pending:
+            done.pop()
+            submit()
+        done.clear()
+    return requests, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return 0.0
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampling) -> dict:
+    from specrt.runtime.serving.batcher import Batcher
+    from specrt.runtime.serving.loading import eos_ids
+
+    capacity = max(len(p) for p in prompts) + args.max_new_tokens + 1
+    engine = pipe.engine_for(capacity, concurrency)
+    batcher = Batcher(engine, proposer, schedule, sps, eos_ids(pipe))
+    requests, seconds = closed_loop(batcher, prompts, concurrency, args.max_new_tokens, sampling, args.ignore_eos)
+    tokens = sum(len(r.tokens) for r in requests)
+    c = batcher.counters
+    latency = [r.finished_at - r.submitted_at for r in requests]
+    ttft = [r.first_token_at - r.submitted_at for r in requests]
+    return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
+            "tau": c.emitted / c.row_steps if c.row_steps else 1.0,
+            "latency_p50": percentile(latency, 0.5), "latency_p90": percentile(latency, 0.9),
+            "ttft_p50": percentile(ttft, 0.5), "steps": c.steps, "draft_steps": c.draft_steps,
+            "outputs": [r.tokens for r in requests]}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from specrt.export.errors import SpecrtError
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
+
+    levels = parse_list(args.concurrency, "concurrency")
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise SpecrtError(f"--modes {args.modes!r}: use a comma list of {', '.join(MODES)}", "e.g. --modes plain,scheduled")
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise SpecrtError("--repeats and --max-new-tokens must be >= 1", "e.g. --repeats 3 --max-new-tokens 128")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = SamplingParams(args.temperature, seed=args.seed)
+    plain, drafted, backend, folders = build(args)
+    if not drafted and modes != ["plain"]:
+        raise SpecrtError("no drafter to compare with plain decoding",
+                          "pass --engines folders with drafters, or --drafters KIND=PATH (torch)")
+    n_requests = max(args.requests or 0, 0)
+    tables = {}
+    for name, pipe in drafted.items():
+        if "scheduled" not in modes:
+            break
+        table = load_sps_for(folders.get(name), args.sps)
+        if table is None:
+            print(f"{name}: no sps.json, profiling a quick SPS table", file=sys.stderr)
+            engine = pipe.engine_for(128 + (pipe.proposer.max_drafts + 1) + 1, max(levels))
+            engine.set_taps(pipe.proposer.tap_layers)
+            table = profile_sps(engine, max(levels) * (pipe.proposer.max_drafts + 1), context=64, repeats=2, warmup=1)
+        tables[name] = table
+
+    results: list[dict] = []
+    for c in levels:
+        count = n_requests or max(4, 2 * c)
+        prompts = make_prompts(args, plain.tokenizer, plain.config.vocab_size, count)
+        configs = []
+        if "plain" in modes:
+            configs.append(("plain", "plain", plain, None, "fixed"))
+        for name, pipe in drafted.items():
+            if "fixed" in modes:
+                configs.append((name, "fixed", pipe, pipe.proposer, "fixed"))
+            if "scheduled" in modes:
+                configs.append((name, "scheduled", pipe, pipe.proposer, "confidence"))
+        runs: dict[tuple, list[dict]] = {(n, m): [] for n, m, *_ in configs}
+        for rep in range(args.repeats):
+            order = configs if rep % 2 == 0 else configs[::-1]  # interleaved: noise hits all alike
+            for name, mode, pipe, proposer, schedule in order:
+                r = run_config(pipe, proposer, schedule, tables.get(name), c, prompts, args, sampling)
+                runs[(name, mode)].append(r)
+                print(f"c={c:3d} {name:7s} {mode:9s} {r['tok_s']:8.1f} tok/s  tau {r['tau']:.2f}  "
+                      f"p50 {r['latency_p50']:.2f}s", file=sys.stderr)
+        reference = runs.get(("plain", "plain"), [None])[0]
+        for (name, mode), rs in runs.items():
+            rates = [r["tok_s"] for r in rs]
+            same = None
+            if reference is not None and sampling.greedy:
+                same = sum(a == b for a, b in zip(rs[0]["outputs"], reference["outputs"])) / len(prompts)
+            results.append({"drafter": name, "mode": mode, "concurrency": c, "requests": count,
+                            "tok_s": statistics.mean(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
+                            "tau": statistics.mean(r["tau"] for r in rs),
+                            "latency_p50": statistics.mean(r["latency_p50"] for r in rs),
+                            "latency_p90": statistics.mean(r["latency_p90"] for r in rs),
+                            "ttft_p50": statistics.mean(r["ttft_p50"] for r in rs),
+                            "draft_steps": rs[0]["draft_steps"], "steps": rs[0]["steps"], "same_as_plain": same})
+    for row in results:
+        base = next((r for r in results if r["mode"] == "plain" and r["concurrency"] == row["concurrency"]), None)
+        row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
+    report = {"backend": backend, "device": args.device, "threads": torch.get_num_threads(), "target": plain.name,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "prompts": args.prompts,
+              "repeats": args.repeats, "results": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "serving.md").write_text(render_markdown(report))
+    plot(report, args.out / "serving.png")
+    print(render_markdown(report))
+    print(f"wrote {args.out / 'serving.md'}, serving.json, serving.png", file=sys.stderr)
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"## Serving: {report['target']} ({report['backend']}, {report['device']}, {report['threads']} threads)",
+             "", f"{report['max_new_tokens']} new tokens per request, temperature {report['temperature']}, "
+             f"{report['prompts']} prompts, {report['repeats']} run(s) per configuration "
+             "(tok/s: mean, spread min..max).", "",
+             "| drafter | mode | concurrency | requests | tok/s | spread | vs plain | tau | latency p50 s | "
+             "latency p90 s | TTFT p50 s | draft steps | same as plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        same = "-" if r["same_as_plain"] is None else f"{100 * r['same_as_plain']:.0f}%"
+        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['drafter']} | {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:.1f} | "
+                     f"{r['tok_s_min']:.1f}..{r['tok_s_max']:.1f} | {speed} | {r['tau']:.2f} | "
+                     f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.3f} | "
+                     f"{r['draft_steps']}/{r['steps']} | {same} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict[str, list[dict]] = {}
+    for r in report["results"]:
+        label = "plain" if r["mode"] == "plain" else f"{r['drafter']} {r['mode']}"
+        series.setdefault(label, []).append(r)
+    for label, rows in series.items():
+        rows = sorted(rows, key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        style = {"linestyle": "--", "color": "black"} if label == "plain" else {"linestyle": "-"}
+        ax1.plot(xs, [r["tok_s"] for r in rows], marker="o", label=label, **style)
+        ax1.fill_between(xs, [r["tok_s_min"] for r in rows], [r["tok_s_max"] for r in rows], alpha=0.15)
+        ax2.plot(xs, [r["latency_p50"] for r in rows], marker="o", label=label, **style)
+    for ax, ylabel in ((ax1, "throughput (tokens/s)"), (ax2, "request latency p50 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"serving {report['target']} ({report['backend']}, {report['device']}, {report['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specrt.export.errors import run_reporting_errors
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run_reporting_errors("bench_serving", lambda: run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
