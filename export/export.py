@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-depth", type=int, default=4, help="EAGLE-3 tree: depth (manifest default)")
     parser.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3 tree: verify tokens (manifest default)")
     parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
+    q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
+    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4"),
+                   help="weights of the linear layers: fp32/fp16 (= --dtype) or int8/int4 weight-only on fp32 graphs")
+    q.add_argument("--quant-block", type=int, default=32, help="int8/int4: weights per scale block along K")
+    q.add_argument("--quant-asymmetric", action="store_true", help="int8/int4: zero points per block (default symmetric)")
+    q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -165,6 +171,7 @@ def export_engine(
     loaded_target=None,
     drafter_model=None,
     command: list[str] | None = None,
+    quant=None,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
     import torch
@@ -231,6 +238,16 @@ def export_engine(
                 size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                 info["note"] = f"{size / 2**20:.1f} MB{' (external data)' if graph.data_path else ''}"
                 exported.append(graph)
+        if quant is not None:
+            from specrt.export.quantize import quantize_graph
+
+            for graph in exported:
+                if graph.name.endswith("_fc") or graph.name.endswith("_ingest"):
+                    continue  # a few MB each, run once per committed token: not worth the rounding
+                with stages.stage(f"quantize {graph.name} to {quant.weights}") as info:
+                    q = quantize_graph(graph.path, quant, external_data=graph.data_path is not None)
+                    size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
+                    info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> MatMulNBits, {size / 2**20:.1f} MB"
         with stages.stage("tokenizer, manifest, checksums"):
             loaded_target.tokenizer.save(tmp)
             drafter_info = None
@@ -255,6 +272,7 @@ def export_engine(
                 )
             options = {
                 "dtype": dtype_name, "opset": opset, "external_data": external_data,
+                "weights": quant.to_dict() if quant is not None else {"bits": None, "scheme": dtype_name},
                 "kv_capacity": int(capacity or cfg.max_position_embeddings),
                 "command": command,
                 "seconds": round(time.perf_counter() - stages.start, 1),
@@ -277,12 +295,27 @@ def export_engine(
     return out
 
 
+def quant_options(args: argparse.Namespace):
+    """QuantOptions for --weights int8/int4 (None for float weights); --weights fp16 means --dtype fp16."""
+    if args.weights in ("fp32", "fp16"):
+        if args.weights == "fp16" and args.dtype not in ("fp16", "float16"):
+            args.dtype = "fp16"
+        return None
+    if args.dtype not in ("fp32", "float32"):
+        raise SpecrtError(f"--weights {args.weights} quantizes fp32 graphs, not --dtype {args.dtype}",
+                          "drop --dtype (int8/int4 weights keep fp32 activations)")
+    from specrt.export.quantize import QuantOptions
+
+    return QuantOptions(args.weights, args.quant_block, not args.quant_asymmetric, lm_head=not args.no_quant_lm_head)
+
+
 def run(args: argparse.Namespace) -> int:
+    quant = quant_options(args)
     export_engine(
         args.drafter, target=args.target, drafter_ckpt=args.drafter_ckpt, out=args.out, dtype=args.dtype,
         opset=args.opset, capacity=args.capacity, external_data=args.external_data,
         tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
-        threshold=args.threshold, quiet=args.quiet, command=list(sys.argv),
+        threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
     )
     return 0
 

@@ -25,7 +25,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(.) rather than x * rsqrt(.): the exported Pow-ReduceMean-Add-Sqrt-Div chain is the pattern
+        # ONNX Runtime fuses into one SimplifiedLayerNormalization kernel (rsqrt exports as Sqrt+Reciprocal+Mul)
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 

@@ -1,0 +1,122 @@
+"""Weight-only quantization of exported graphs with ONNX Runtime's own quantizer (MatMulNBits).
+
+    specrt export --drafter dspark --weights int4 [--quant-block 32] [--quant-asymmetric] [--no-quant-lm-head]
+
+Why weight-only, and why MatMulNBits: on a CPU, decoding a small model is memory-bound (the fp32
+SmolLM2-135M reads ~540 MB of weights per token). `onnxruntime.quantization.matmul_nbits_quantizer`
+rewrites every MatMul whose B is a constant [K, N] initializer into `com.microsoft::MatMulNBits`
+(4 or 8 bits per weight, one scale (and zero point when asymmetric) per block of `block_size` along
+K). ORT's CPU kernels for it dequantize blocks on the fly, and with `accuracy_level=4` quantize the
+activations to int8 and run int8 dot products: the fastest CPU path ORT has, and the one
+onnxruntime-genai's int4 models use. Activations, norms, RoPE, attention and the K/V cache stay in
+the export dtype, so "lossless" keeps its meaning against the quantized target: speculation
+reproduces the quantized target's own greedy output exactly (README says so).
+
+The LM head: exported as Gemm(transB=1) on the [V, H] weight (so a head tied to the embedding is
+stored once). The quantizer only takes MatMul, so with `lm_head=True` each such Gemm becomes a
+MatMul on a transposed copy, which then quantizes (the embedding's Gather keeps the fp32 table).
+At 49152 x 576 the head is a fifth of SmolLM2's weights and read for every verified row, so it is
+where int4 pays most; the quality report (`tools/quant_report.py`) measures what it costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrt.export.errors import SpecrtError
+
+WEIGHTS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass
+class QuantOptions:
+    weights: str = "int4"  # int8 | int4
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations x int8-unpacked weights (fastest on CPU)
+    lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("int8", "int4"):
+            raise SpecrtError(f"quantization to {self.weights!r} is not supported", "use --weights int8 or int4")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise SpecrtError(f"--quant-block {self.block_size} is not a power of two >= 16",
+                              "use 16, 32, 64 or 128 (32 is the usual choice for int4)")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise SpecrtError(f"accuracy level {self.accuracy_level} is outside 0..4", "use 4 (int8 compute) or 0")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.weights == "int4" else 8
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bits": self.bits, "op": "com.microsoft::MatMulNBits",
+                "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (RTN)"}
+
+
+def gemm_heads_to_matmul(model) -> int:
+    """Rewrite Gemm(A, B, transB=1) with a constant 2-D B and no bias into MatMul(A, B^T); returns the count."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in inits:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transB", 0) != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0:
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])
+        transposed = numpy_helper.from_array(np.ascontiguousarray(weight.T), f"{node.input[1]}__T")
+        model.graph.initializer.append(transposed)
+        node.op_type = "MatMul"
+        del node.attribute[:]
+        node.input[1] = transposed.name
+        count += 1
+    return count
+
+
+def drop_unused_initializers(model) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    used |= {name for fn in model.functions for node in fn.node for name in node.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def quantize_graph(path: Path, options: QuantOptions, external_data: bool) -> dict:
+    """Quantize one graph file in place (its external data file is rewritten too). Returns a summary."""
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every skipped node
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=True)
+    heads = gemm_heads_to_matmul(model) if options.lm_head else 0
+    matmuls = sum(1 for n in model.graph.node if n.op_type == "MatMul")
+    config = DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
+                                          accuracy_level=options.accuracy_level, bits=options.bits)
+    quantizer = MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
+                                     is_symmetric=options.symmetric, accuracy_level=options.accuracy_level,
+                                     algo_config=config)
+    quantizer.process()
+    model = quantizer.model.model
+    drop_unused_initializers(model)
+    quantized = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
+    if quantized == 0:
+        raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
+    data_name = f"{path.name}.data"
+    for stale in (path, path.with_name(data_name)):
+        stale.unlink(missing_ok=True)
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads}
