@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
                         meta={"engine": pipe.name, "backend": backend, "device": args.device,
                               "drafter": pipe.proposer.name if pipe.proposer is not None else "none"})
     table.save(out / SPS_FILE)
-    plot_sps(table, out / "sps.png")
-    print(f"wrote {out / SPS_FILE} and {out / 'sps.png'}", file=sys.stderr)
+    try:
+        plot_sps(table, out / "sps.png")
+        print(f"wrote {out / SPS_FILE} and {out / 'sps.png'}", file=sys.stderr)
+    except ImportError:
+        print(f"wrote {out / SPS_FILE} (no plot: pip install matplotlib)", file=sys.stderr)
     return 0

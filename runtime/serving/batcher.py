@@ -100,6 +100,7 @@ class BatcherCounters:
     generated: int = 0  # every token handed to a request (prefill's first tokens included)
     busy_seconds: float = 0.0
     finish_reasons: dict = field(default_factory=dict)  # reason -> count
+    peak_running: int = 0  # most requests decoded together so far
 
 
 class Batcher:
@@ -123,7 +124,8 @@ class Batcher:
                 raise SpecrtError(f"the engine has {engine.spare_slots} spare cache slots, the {proposer.name} "
                                   f"drafter verifies up to {need} tokens per step",
                                   "build the engine with spare_slots >= the drafter's verify size")
-        engine.set_taps(proposer.tap_layers if proposer is not None else ())
+        self.taps = tuple(proposer.tap_layers) if proposer is not None else ()
+        engine.set_taps(self.taps)
         engine.reset(self.slots)
         if proposer is not None:
             proposer.reset(self.slots, self.capacity)
@@ -175,6 +177,8 @@ class Batcher:
         start = time.perf_counter()
         self._reap()
         new = self._admit()
+        if new or self.running:
+            self.engine.set_taps(self.taps)  # the model may be shared with another engine (bench, tests)
         if new:
             self._prefill(new)
         active = sorted(self.running)
@@ -226,6 +230,7 @@ class Batcher:
             reset_proposer_row(self.proposer, row)
             self.running[row] = req
             new.append(req)
+        self.counters.peak_running = max(self.counters.peak_running, len(self.running))
         return new
 
     def _finish(self, req: Request, reason: str) -> None:

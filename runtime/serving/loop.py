@@ -65,7 +65,7 @@ class EngineLoop:
         """Queue a request (validated here, in the caller's thread: SpecrtError for bad input)."""
         self.batcher.validate(req)
         with self._cond:
-            if len(self._inbox) + len(self.batcher.waiting) >= self.max_queue:
+            if self.queue_depth() >= self.max_queue:
                 self.rejected += 1
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             self._inbox.append(req)
@@ -79,7 +79,9 @@ class EngineLoop:
             self._cond.notify_all()
 
     def queue_depth(self) -> int:
-        return len(self._inbox) + len(self.batcher.waiting)
+        """Requests waiting for a row; cancelled ones (reaped at the next step) do not count."""
+        waiting = list(self._inbox) + list(self.batcher.waiting)  # list(): one C-level copy under the GIL
+        return sum(not r.cancelled for r in waiting)
 
     def snapshot(self) -> dict:
         """Numbers for /metrics and /health (read without stopping the engine: approximate)."""
@@ -91,6 +93,7 @@ class EngineLoop:
             "slots": b.slots,
             "free_slots": b.free_rows,
             "running": len(b.running),
+            "peak_running": c.peak_running,
             "queue_depth": self.queue_depth(),
             "max_queue": self.max_queue,
             "requests_total": self.total_requests,

@@ -48,7 +48,6 @@ class TextTracker:
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
         self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.text = ""  # text handed out so far
         self.stopped = False
@@ -61,9 +60,18 @@ class TextTracker:
             self.stopped = True
             return self._advance(full[: min(hits)])
         safe = full.rstrip("\ufffd")  # a split UTF-8 character waits for its next token
-        if self.hold:  # the end might be the start of a stop string
-            safe = safe[: max(len(self.text), len(safe) - self.hold)]
-        return self._advance(safe)
+        held = self._stop_prefix(safe)  # the end might be the start of a stop string
+        return self._advance(safe[: len(safe) - held])
+
+    def _stop_prefix(self, text: str) -> int:
+        """Length of the longest end of `text` that a stop string starts with (0: none)."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
 
     def flush(self) -> str:
         if self.stopped:
