@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from _onnx_tiny import TARGET_CFG, make_drafters, make_target
 from specrt.export import build
 from specrt.export import manifest as mf
@@ -184,7 +183,6 @@ def test_build_profiles_refuse_unknown_dims():
 def test_build_marks_specrt_nodes_for_the_plugin_importer(tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper
-
     from specrt.plugins import onnx_ops
 
     V = helper.make_tensor_value_info

@@ -19,7 +19,6 @@ import typing
 from pathlib import Path
 
 import pytest
-
 from specrt.export.errors import SpecrtError
 from specrt.plugins import trt_plugins
 from specrt.plugins.confidence_truncate import INPUTS as CT_INPUTS
