@@ -152,7 +152,8 @@ def define_tree_attention(trtp: PluginAPI) -> None:
             kernels.tree_attention(q, k, v, pk, pv, pm, tm, scale=scale, out=_torch_view(outputs[0]))
 
     trtp.register(pid)(_annotate(descriptor, {**tensor_ann, "scale": float, "return": trtp.TensorDesc}))
-    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc), "return": list}))
+    # no return annotation on autotune: tensorrt.plugin accepts only List[AutoTuneCombination] there
+    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc)}))
     trtp.aot_impl(pid)(_annotate(aot, {
         **tensor_ann, "scale": float, "outputs": _tuple_of(trtp.TensorDesc), "tactic": int,
         "return": _tuple_of(bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs),
@@ -203,8 +204,7 @@ def define_confidence_truncate(trtp: PluginAPI, float32: Any, int64: Any) -> Non
             _torch_view(outputs[1]).copy_(length)
 
     trtp.register(pid)(_annotate(descriptor, {**tensor_ann, "return": _tuple_of(trtp.TensorDesc, trtp.TensorDesc)}))
-    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc, trtp.TensorDesc),
-                                            "return": list}))
+    trtp.autotune(pid)(_annotate(autotune, {**tensor_ann, "outputs": _tuple_of(trtp.TensorDesc, trtp.TensorDesc)}))
     trtp.aot_impl(pid)(_annotate(aot, {
         **tensor_ann, "outputs": _tuple_of(trtp.TensorDesc, trtp.TensorDesc), "tactic": int,
         "return": _tuple_of(bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs),

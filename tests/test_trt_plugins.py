@@ -75,6 +75,7 @@ class FakePluginAPI:
     Tensor = FakeTensor
     KernelLaunchParams = FakeLaunch
     SymIntExprs = FakeSymIntExprs
+    AutoTuneCombination = FakeCombination
 
     def __init__(self) -> None:
         self.plugins: dict[str, dict[str, typing.Any]] = {}
@@ -102,15 +103,33 @@ class FakePluginAPI:
             return fn
         return wrap
 
-    def _schema(self, plugin_id, fn, tail):
+    def _schema(self, plugin_id, fn, tail, tensor_type=FakeTensorDesc):
         plugin = self.plugins[plugin_id]  # register must come first
-        names = list(self._sig(fn).parameters)
+        sig = self._sig(fn)
+        names = list(sig.parameters)
         attrs = [n for n in names if n in plugin["attrs"]]
         assert names == plugin["tensors"] + attrs + tail, (names, tail)
+        register = self._sig(plugin["desc"]).parameters
+        for name, p in sig.parameters.items():  # annotations are optional, but checked when given
+            ann = p.annotation
+            if ann is inspect.Parameter.empty:
+                continue
+            if name == "outputs":
+                assert typing.get_origin(ann) is tuple and all(issubclass(a, tensor_type) for a in typing.get_args(ann))
+            elif name in ("stream", "tactic"):
+                assert ann is int
+            elif name in plugin["attrs"]:
+                assert ann == register[name].annotation, name
+            else:
+                assert issubclass(ann, tensor_type), name
 
     def autotune(self, plugin_id):
         def wrap(fn):
             self._schema(plugin_id, fn, ["outputs"])
+            ret = self._sig(fn).return_annotation
+            if ret is not inspect.Parameter.empty:  # only AutoTuneCombination or List[AutoTuneCombination]
+                args = typing.get_args(ret) if typing.get_origin(ret) is list else (ret,)
+                assert all(isinstance(a, type) and issubclass(a, FakeCombination) for a in args), ret
             self.plugins[plugin_id]["autotune"] = fn
             return fn
         return wrap
@@ -128,13 +147,11 @@ class FakePluginAPI:
 
     def impl(self, plugin_id):
         def wrap(fn):
-            self._schema(plugin_id, fn, ["outputs", "stream"])
+            self._schema(plugin_id, fn, ["outputs", "stream"], FakeTensor)
+            assert self._sig(fn).return_annotation in (inspect.Parameter.empty, None)
             self.plugins[plugin_id]["impl"] = fn
             return fn
         return wrap
-
-    def AutoTuneCombination(self, io_types=None, layouts=None, tactics=None):
-        return FakeCombination(io_types, layouts, tactics)
 
     def SymInt32(self, value):
         return int(value)
