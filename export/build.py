@@ -403,6 +403,9 @@ def build_engines(folder: str | Path, limits: Limits | None = None, options: Bui
     use_plugins = options.plugins != "none"
     check_confidence_limits(data, limits, use_plugins)
     libs = check_plugin_libs(plugin_libs)
+    if options.timing_cache is not None and not options.timing_cache.parent.is_dir():
+        raise SpecrtError(f"--timing-cache {options.timing_cache}: folder {options.timing_cache.parent} does not exist",
+                          "create the folder, or leave --timing-cache out (default: FOLDER/timing.cache)")
     require_tensorrt()
     available = _register(options, libs) if use_plugins else set()
     for name in names:

@@ -95,6 +95,8 @@ def test_build_cli_refuses_bad_input_before_touching_tensorrt(folders, tmp_path)
         (["--engines", str(folders["dspark"]), "--trt", "--capacity", "100000"], "max_position_embeddings"),
         (["--engines", str(folders["dspark"]), "--trt", "--graphs", "nope"], "no graph 'nope'"),
         (["--engines", str(folders["dspark"]), "--trt", "--max-batch", "100"], "ConfidenceTruncate plugin"),
+        (["--engines", str(folders["dspark"]), "--trt", "--timing-cache", str(tmp_path / "no" / "t.cache")],
+         "does not exist"),
     ]
     for args, message in cases:
         code = build.main(args)
