@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # annotations only: the module imports without TensorRT
     import tensorrt as trt
 
 _CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CACHE_PREFIXES = ("past_key_", "past_value_")
 _NO_PLANS = "build them: specrt build --engines {folder} --trt"
 
 
@@ -171,28 +172,24 @@ class TrtGraph:
 
     def _replay(self, profile: int, context: trt.IExecutionContext,
                 ready: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        key = (profile, tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(ready.items())))
+        # the caches are bound by address (never copied): a graph is captured per set of cache buffers
+        caches = {k: v.data_ptr() for k, v in ready.items() if k.startswith(CACHE_PREFIXES)}
+        key = (profile, tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(ready.items())),
+               tuple(sorted(caches.items())))
         captured = self._captured.get(key)
         if captured is None:
-            static = {k: v.clone() for k, v in ready.items()}
+            static = {k: v if k in caches else v.clone() for k, v in ready.items()}
             outs = self._bind(context, static)
             context.execute_async_v3(self._stream.cuda_stream)  # warm-up: TensorRT allocates lazily
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
                 context.execute_async_v3(self._stream.cuda_stream)
             captured = self._captured[key] = _Captured(graph, static, outs)
-        else:
-            self._bind_addresses(context, captured)
         for name, tensor in ready.items():
-            if tensor.data_ptr() != captured.inputs[name].data_ptr():
+            if name not in caches:  # small step inputs: copied into the captured buffers
                 captured.inputs[name].copy_(tensor, non_blocking=True)
         captured.graph.replay()
         return {k: v.clone() for k, v in captured.outputs.items()}  # the next replay overwrites the static buffers
-
-    @staticmethod
-    def _bind_addresses(context: trt.IExecutionContext, captured: _Captured) -> None:
-        for name, tensor in {**captured.inputs, **captured.outputs}.items():
-            context.set_tensor_address(name, tensor.data_ptr())
 
 
 def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
