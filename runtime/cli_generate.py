@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
-    p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
-                   help="auto: ort with --engines, torch otherwise")
+    p.add_argument("--backend", default="auto", choices=["auto", "ort", "trt", "torch"],
+                   help="auto: ort with --engines, torch otherwise; trt: the folder's TensorRT plans (specrt build)")
     p.add_argument("--target", help="torch backend: HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt (ORT's TensorRT EP)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype for the torch backend")
@@ -58,8 +58,8 @@ def resolve_backend(args: argparse.Namespace) -> str:
     backend = args.backend
     if backend == "auto":
         backend = "ort" if args.engines else "torch"
-    if backend == "ort" and not args.engines:
-        raise SpecrtError("--backend ort needs --engines FOLDER",
+    if backend in ("ort", "trt") and not args.engines:
+        raise SpecrtError(f"--backend {backend} needs --engines FOLDER",
                           "export engines first: specrt export --drafter KIND --out engines/NAME")
     if backend == "torch" and args.engines:
         raise SpecrtError("--engines is for the ort backend", "drop --backend torch, or pass --target for torch")
@@ -70,6 +70,10 @@ def build_pipeline(args: argparse.Namespace, options):
     from specrt.runtime.pipeline import Pipeline
 
     backend = resolve_backend(args)
+    if backend == "trt":
+        from specrt.runtime.backends.trt_backend import trt_pipeline
+
+        return trt_pipeline(args.engines, options)
     if backend == "ort":
         return Pipeline.from_engines(args.engines, device=args.device, threads=args.threads, drafter=args.drafter,
                                      draft_options=options, verify_checksums=not args.no_verify)
