@@ -31,8 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specrt.export.errors import SpecrtError
     from specrt.runtime.cli_generate import resolve_backend
-    from specrt.runtime.serving.loading import (check_batch_arguments, load_pipeline, make_batcher, make_engine,
-                                              sps_for)
+    from specrt.runtime.serving.loading import check_batch_arguments, load_pipeline, make_batcher, make_engine, sps_for
 
     check_batch_arguments(args)
     resolve_backend(args)

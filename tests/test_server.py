@@ -12,7 +12,6 @@ import urllib.request
 
 import pytest
 import torch
-
 from _onnx_tiny import make_drafters, make_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.runtime.pipeline import Pipeline
@@ -333,3 +332,28 @@ def test_text_tracker_holds_back_stop_prefixes():
     t = TextTracker(Words(), ["cde"])
     assert t.push([2, 3]) == "" and t.push([23]) == "cdx"  # a false start is released
     assert t.flush() == "" and t.text == "cdx"
+
+
+def test_a_non_streaming_client_that_hangs_up_cancels_its_request(pipe, paused):
+    """Non-streaming handlers poll for the disconnect; the engine here never steps, so only the
+    disconnect (not completion, not the 30 s timeout) can take the request out of the queue."""
+    import socket
+
+    app = create_app(paused["loop"], pipe.tokenizer, ServeConfig("tiny", 4, 30.0))
+    patient = ServerThread(app).start()
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "w5 w6", "max_tokens": 3}).encode()
+        sock = socket.create_connection(("127.0.0.1", patient.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        end = time.monotonic() + 10
+        while paused["loop"].queue_depth() < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert paused["loop"].queue_depth() == 1
+        sock.close()
+        end = time.monotonic() + 10
+        while paused["loop"].queue_depth() and time.monotonic() < end:
+            time.sleep(0.02)
+        assert paused["loop"].queue_depth() == 0  # cancelled; reaped at the next step
+    finally:
+        patient.stop()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _onnx_tiny import make_drafters, make_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.export import main as export_main

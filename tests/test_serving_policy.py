@@ -7,15 +7,21 @@ import time
 
 import pytest
 import torch
-
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.generate import generate_autoregressive
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import SpsTable, schedule
 from specrt.runtime.serving.batcher import Batcher, Request
-from specrt.runtime.serving.policy import (DraftGate, apply_schedule, node_order, ordered_survival, plan_lengths,
-                                           schedule_padded, select_nodes)
+from specrt.runtime.serving.policy import (
+    DraftGate,
+    apply_schedule,
+    node_order,
+    ordered_survival,
+    plan_lengths,
+    schedule_padded,
+    select_nodes,
+)
 from test_speculative import block, eagle3, tiny_target
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,6 +132,10 @@ def test_draft_gate_backs_off_and_recovers():
     assert [gate.should_draft() for _ in range(5)] == [False] * 4 + [True]
     gate.record(3.0, 2.0)  # a win resets the back-off
     assert gate.backoff == 2 and gate.should_draft()
+    gate.record(1.0, 2.0, probe_cost=3.0)  # a probe worth 3 plain steps: closed 3 / 5% = 60 steps
+    assert gate.closed_for == 60
+    gate.record(1.0, 2.0, probe_cost=1e6)
+    assert gate.closed_for == gate.longest
 
 
 class SlowProposer:
@@ -135,6 +145,8 @@ class SlowProposer:
         self.inner, self.seconds = inner, seconds
 
     def __getattr__(self, name):
+        if name == "inner":  # copy.copy probes attributes before __init__ state exists
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def propose(self, *args, **kwargs):
@@ -152,8 +164,9 @@ def test_the_gate_stops_drafting_that_does_not_pay_and_stays_lossless(target):
     requests = [batcher.add(Request(p, 30)) for p in prompts]
     batcher.run_until_done()
     assert [r.tokens for r in requests] == alone
-    assert batcher.gate.skipped > batcher.counters.draft_steps  # mostly plain steps
-    assert batcher.counters.draft_steps >= 2  # but it kept probing
+    # one probe cost ~10 plain steps (10 ms vs a 1 ms step): closed for >= 10 / 5% = 200 steps
+    assert batcher.counters.draft_steps == batcher.gate.probes == 1
+    assert batcher.gate.skipped == batcher.counters.steps - 1 and batcher.gate.closed_for > 150
     ungated = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", fast, draft_gate=False)
     requests = [ungated.add(Request(p, 30)) for p in prompts]
     ungated.run_until_done()
@@ -168,3 +181,20 @@ def test_apply_schedule_cuts_chains_and_trees(target):
     assert cut[0].tokens.tolist() == [1, 2, 3, 4][: plan.lengths[0]]
     if plan.lengths[1] == 2:
         assert cut[1].tokens.tolist() == [7, 9] and cut[1].parents.tolist() == [-1, 0] and cut[1].depth == 2
+
+
+def test_the_gate_stays_open_when_drafts_pay(target):
+    """A perfect drafter on a device where a step costs the same at any size: every step drafts."""
+    from test_speculative import OracleProposer
+
+    prompts = [[5, 9, 13, 2], [11, 3]]
+    expected = [generate_autoregressive(TorchTargetEngine(target, 128), [p], 40, SamplingParams()).tokens[0]
+                for p in prompts]
+    oracle = OracleProposer(expected, [len(p) for p in prompts], k=4, tree=False)  # no survivals: taken as 1
+    flat = SpsTable([1, 1024], [1000.0, 999.0])
+    batcher = Batcher(TorchTargetEngine(target, 128, 2), oracle, "confidence", flat)
+    requests = [batcher.add(Request(p, 30)) for p in prompts]
+    batcher.run_until_done()
+    assert [r.tokens for r in requests] == [e[:30] for e in expected]
+    c = batcher.counters
+    assert batcher.gate.skipped == 0 and c.draft_steps == c.steps and c.emitted / c.row_steps > 4

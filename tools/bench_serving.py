@@ -87,6 +87,10 @@ def build(args: argparse.Namespace):
     from specrt.tools.bench import build_pipelines, draft_options
 
     backend = args.backend if args.backend != "auto" else ("ort" if args.engines else "torch")
+    if backend != "ort" and [m for m in args.modes.split(",") if m] == ["plain"]:
+        from specrt.runtime.pipeline import Pipeline
+
+        return Pipeline.from_checkpoint(args.target, device=args.device), {}, backend, {}
     if backend != "ort":
         plain, drafted, backend = build_pipelines(args)
         return plain, drafted, backend, {}
@@ -165,7 +169,6 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
     from specrt.export.errors import SpecrtError
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
@@ -246,11 +249,11 @@ def run(args: argparse.Namespace) -> int:
 
 def render_markdown(report: dict) -> str:
     lines = [f"## Serving: {report['target']} ({report['backend']}, {report['device']}, {report['threads']} threads)",
-             "", f"{report['max_new_tokens']} new tokens per request, temperature {report['temperature']}, "
-             f"{report['prompts']} prompts, {report['repeats']} run(s) per configuration "
-             "(tok/s: mean, spread min..max).", "",
-             "| drafter | mode | concurrency | requests | tok/s | spread | vs plain | tau | latency p50 s | "
-             "latency p90 s | TTFT p50 s | draft steps | same as plain |",
+             "", (f"{report['max_new_tokens']} new tokens per request, temperature {report['temperature']}, "
+                  f"{report['prompts']} prompts, {report['repeats']} run(s) per configuration "
+                  "(tok/s: mean, spread min..max)."), "",
+             ("| drafter | mode | concurrency | requests | tok/s | spread | vs plain | tau | latency p50 s | "
+              "latency p90 s | TTFT p50 s | draft steps | same as plain |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "-" if r["same_as_plain"] is None else f"{100 * r['same_as_plain']:.0f}%"

@@ -32,19 +32,24 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-
 from specrt.export.errors import SpecrtError
 from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
-from specrt.runtime.serving.rows import (proposer_prefix_view, reset_engine_row, reset_proposer_row, row_view, runs,
-                                         supports_views)
+from specrt.runtime.serving.rows import (
+    proposer_prefix_view,
+    reset_engine_row,
+    reset_proposer_row,
+    row_view,
+    runs,
+    supports_views,
+)
 from specrt.runtime.speculative import _accept, _verify_batch
 from specrt.runtime.stats import RequestStats
 from specrt.runtime.tree import kv_keep_indices
@@ -63,8 +68,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    on_tokens: Callable[["Request", list[int]], None] | None = None  # engine thread: keep it short
-    on_finish: Callable[["Request"], None] | None = None
+    on_tokens: Callable[[Request, list[int]], None] | None = None  # engine thread: keep it short
+    on_finish: Callable[[Request], None] | None = None
     # ---- filled by the batcher
     id: int = field(default_factory=lambda: next(_ids))
     row: int | None = None
@@ -92,6 +97,7 @@ class BatcherCounters:
     prefill_calls: int = 0
     prefill_tokens: int = 0
     step_tokens: int = 0  # token positions the decode steps computed (rows x padded length)
+    proposed_drafts: int = 0  # drafts the proposer made (before the schedule cut them)
     verify_drafts: int = 0  # drafts sent to verification
     accepted_drafts: int = 0
     emitted: int = 0  # tokens emitted by decode steps (tau's numerator)
@@ -137,6 +143,7 @@ class Batcher:
         self.waiting: deque[Request] = deque()
         self.counters = BatcherCounters()
         self.last_schedule = None
+        self.pending: dict[int, tuple[list[int], list[torch.Tensor], list[int | None]]] = {}  # row -> not yet observed
 
     # ---------------------------------------------------------------- requests
     def validate(self, req: Request) -> None:
@@ -201,6 +208,7 @@ class Batcher:
             req.error = message
             self._finish(req, "error")
         self.waiting.clear()
+        self.pending.clear()
         self.engine.reset(self.slots)
         if self.proposer is not None:
             self.proposer.reset(self.slots, self.capacity)
@@ -242,6 +250,7 @@ class Batcher:
         req.stats.round_tokens = max(req.stats.new_tokens - 1, 0)
         if req.row is not None and self.running.get(req.row) is req:
             del self.running[req.row]
+            self.pending.pop(req.row, None)
             reset_engine_row(self.engine, req.row)  # idle rows must not widen the attention window
             bisect.insort(self.free, req.row)
         self.counters.finished += 1
@@ -340,6 +349,23 @@ class Batcher:
         finally:
             proposer.threshold = saved
 
+    def _flush(self, pview) -> None:
+        """Hand the proposer what the target committed since its last observe, all rows in one call.
+
+        While the draft gate keeps drafting off, committed tokens and their taps wait here and are
+        ingested at the next drafting step: one batched observe of k steps' tokens equals k
+        observes (context entries are per position; EAGLE-3's rows are causal), and plain steps
+        then cost what plain decoding costs.
+        """
+        if not self.pending:
+            return
+        rows = sorted(self.pending)
+        tokens = [self.pending[r][0] for r in rows]
+        taps = [torch.cat(self.pending[r][1]) if self.pending[r][1] else None for r in rows]
+        nexts = [self.pending[r][2][0] for r in rows]
+        self.pending.clear()
+        pview.observe(rows, tokens, taps, nexts)
+
     def _propose(self, pview, active: list[int]) -> dict[int, Proposal]:
         groups: dict[object, list[int]] = {}
         for row in active:
@@ -372,18 +398,21 @@ class Batcher:
             proposals[row] = EMPTY
         draft_seconds = 0.0
         if drafting:
+            self._flush(pview)
             drafted = self._propose(pview, active)
             draft_seconds = time.perf_counter() - t0
             cut = []
             for row in active:
                 room = self.capacity - 1 - int(engine.lengths[row])  # every verified token needs a slot
                 cut.append(drafted[row].truncated(max(room, 0)))
+                c.proposed_drafts += len(cut[-1])
             if self.schedule == "confidence":
                 cut, plan = apply_schedule(cut, self.sps, hi, self.cost)
                 self.last_schedule = plan
                 if self.gate is not None:
                     predicted = plan.tau / (draft_seconds + 1.0 / float(self.sps(plan.tokens)))
-                    self.gate.record(predicted, plan.baseline)
+                    plain_step = len(active) / plan.baseline  # seconds of a plain step of these rows
+                    self.gate.record(predicted, plan.baseline, draft_seconds / plain_step)
             for row, p in zip(active, cut):
                 proposals[row] = p if len(p) else EMPTY
             c.draft_steps += 1
@@ -395,7 +424,6 @@ class Batcher:
         c.steps += 1
         c.step_tokens += int(ids.shape[0] * ids.shape[1])
         c.row_steps += len(active)
-        obs_rows, obs_tokens, obs_taps, obs_next = [], [], [], []
         for row in active:
             req, p = self.running[row], proposals[row]
             path, bonus = _accept(p, logits[row], req.sampling, req.generator)
@@ -411,13 +439,15 @@ class Batcher:
             req.anchor = bonus
             self._emit(req, accepted + [bonus])
             if not req.done and self.proposer is not None:
-                obs_rows.append(row)
-                obs_tokens.append([previous] + accepted)
-                obs_taps.append(None if taps is None else taps[row, keep])
-                obs_next.append(bonus)
+                pending = self.pending.setdefault(row, ([], [], [None]))
+                pending[0].extend([previous] + accepted)
+                if taps is not None:  # a chain keeps a contiguous range: slice it (cheaper than a gather)
+                    contiguous = keep[-1] - keep[0] + 1 == len(keep)
+                    pending[1].append(taps[row, keep[0]:keep[-1] + 1] if contiguous else taps[row, keep])
+                pending[2][0] = bonus
         t3 = time.perf_counter()
-        if obs_rows:
-            pview.observe(obs_rows, obs_tokens, obs_taps, obs_next)
+        if self.gate is None:  # drafting every step: ingest now (the gate's lazy path waits for a draft)
+            self._flush(pview)
         t4 = time.perf_counter()
         for req in reqs:
             stats = req.stats

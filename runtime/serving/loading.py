@@ -51,7 +51,6 @@ def check_batch_arguments(args: argparse.Namespace) -> None:
 
 def load_pipeline(args: argparse.Namespace):
     import torch
-
     from specrt.runtime.cli_generate import build_pipeline, explicit_draft_options
     from specrt.runtime.proposers.factory import DraftOptions
 

@@ -44,7 +44,7 @@ class EngineLoop:
         self.rejected = 0
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread = threading.Thread(target=self._run, name="specrt-engine", daemon=True)
         self._thread.start()
         return self

@@ -30,10 +30,9 @@ the output.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.scheduler import Schedule, SpsTable, schedule
 
@@ -139,16 +138,20 @@ def apply_schedule(proposals: list[Proposal], sps, step_rows: int, cost: str = "
 
 
 class DraftGate:
-    """Skip drafting while it does not pay; probe again after a doubling back-off.
+    """Skip drafting while it does not pay; probe again after a back-off.
 
     After each drafting step the batcher reports the scheduler's predicted tokens per second with
-    the drafting time included (tau / (draft_s + 1/SPS(B))) and plain decoding's (R * SPS(R)). A
-    loss closes the gate for `backoff` steps (doubling up to `max_backoff` while losses continue);
-    a win resets it.
+    the drafting time included (tau / (draft_s + 1/SPS(B))), plain decoding's (R * SPS(R)), and what
+    the drafting cost in plain steps (draft_s * SPS(R)). A loss closes the gate for
+    max(backoff, probe_cost / max_overhead) steps, so probing a losing drafter costs at most
+    `max_overhead` of plain decoding's time; `backoff` doubles (to `max_backoff`) while losses go on,
+    and a win resets it.
     """
 
-    def __init__(self, first_backoff: int = 4, max_backoff: int = 64) -> None:
+    def __init__(self, first_backoff: int = 4, max_backoff: int = 64, max_overhead: float = 0.05,
+                 longest: int = 1024) -> None:
         self.first_backoff, self.max_backoff = int(first_backoff), int(max_backoff)
+        self.max_overhead, self.longest = float(max_overhead), int(longest)
         self.backoff = self.first_backoff
         self.closed_for = 0
         self.skipped = 0
@@ -161,10 +164,11 @@ class DraftGate:
             return False
         return True
 
-    def record(self, with_drafts: float, plain: float) -> None:
+    def record(self, with_drafts: float, plain: float, probe_cost: float = 0.0) -> None:
         self.probes += 1
         if with_drafts >= plain:
             self.backoff = self.first_backoff
             return
-        self.closed_for = self.backoff
+        by_cost = int(probe_cost / self.max_overhead) if self.max_overhead > 0 else 0
+        self.closed_for = min(max(self.backoff, by_cost), self.longest)
         self.backoff = min(self.backoff * 2, self.max_backoff)

@@ -25,12 +25,20 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest  # module level: FastAPI resolves the handlers' annotations here
-
 from specrt.export.errors import SpecrtError
 from specrt.runtime.serving.batcher import Request
 from specrt.runtime.serving.loop import EngineLoop, QueueFull
-from specrt.runtime.serving.openai_api import (FINISH, ApiError, ParsedRequest, chunk_body, completion_body, new_id,
-                                               parse_chat, parse_completion, usage)
+from specrt.runtime.serving.openai_api import (
+    FINISH,
+    ApiError,
+    ParsedRequest,
+    chunk_body,
+    completion_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 
 log = logging.getLogger("specrt.serving")
 DISCONNECT_POLL_S = 0.25
@@ -200,7 +208,7 @@ def create_app(engine: EngineLoop, tokenizer, config: ServeConfig):
     async def body_of(request: HttpRequest):
         try:
             return await request.json()
-        except Exception:
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
 
     async def respond(request: HttpRequest, p: ParsedRequest):
@@ -295,7 +303,7 @@ class ServerThread:
         self.server = uvicorn.Server(self.config)
         self.thread = None
 
-    def start(self, timeout: float = 20.0) -> "ServerThread":
+    def start(self, timeout: float = 20.0) -> ServerThread:
         import threading
 
         self.thread = threading.Thread(target=self.server.run, name="specrt-http", daemon=True)
