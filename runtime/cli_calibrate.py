@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specrt.runtime.serving.loading import add_model_arguments
+    from specrt.runtime.cli_serve import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--slots", type=int, default=8, help="KV rows, as `specrt serve --slots` (default 8)")

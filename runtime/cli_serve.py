@@ -13,10 +13,50 @@ import argparse
 import sys
 import time
 
+from specrt.export.errors import SpecrtError
+
+# The flags live here, not in specrt.runtime.serving: `specrt --help` builds every subcommand's
+# parser, and this module must not pull in the serving package (or FastAPI) to do that.
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
+    p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
+                   help="auto: ort with --engines, torch otherwise")
+    p.add_argument("--target", help="torch backend: HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="torch backend weight dtype")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
+    p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files")
+    d = p.add_argument_group("speculative decoding")
+    d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark"],
+                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding")
+    d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
+    d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
+    d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
+    d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
+    d.add_argument("--confidence-threshold", type=float, default=0.1,
+                   help="DSpark with --schedule fixed: verify drafts while their survival stays above this")
+
+
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slots", type=int, default=8, help="KV rows: requests decoded together (default 8)")
+    p.add_argument("--capacity", type=int, default=1024, help="KV slots per row: prompt + completion (default 1024)")
+    p.add_argument("--schedule", default="confidence", choices=["fixed", "confidence"],
+                   help="verify lengths: fixed (as drafted) or confidence (DSpark Algorithm 1 with SPS(B))")
+    p.add_argument("--sps", help="SPS table (sps.json from `specrt calibrate`; default: the engine folder's)")
+    p.add_argument("--no-draft-gate", action="store_true",
+                   help="confidence schedule: always draft, even when drafting has not paid recently")
+
+
+def check_batch_arguments(args: argparse.Namespace) -> None:
+    if args.slots < 1 or args.slots > 256:
+        raise SpecrtError(f"--slots must be in 1..256, got {args.slots}", "pass --slots 8 (requests decoded together)")
+    if args.capacity < 16:
+        raise SpecrtError(f"--capacity {args.capacity} is too small", "pass --capacity 1024 or more")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specrt.runtime.serving.loading import add_batch_arguments, add_model_arguments
-
     add_model_arguments(p)
     add_batch_arguments(p)
     s = p.add_argument_group("HTTP")
@@ -29,9 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specrt.export.errors import SpecrtError
     from specrt.runtime.cli_generate import resolve_backend
-    from specrt.runtime.serving.loading import check_batch_arguments, load_pipeline, make_batcher, make_engine, sps_for
+    from specrt.runtime.serving.loading import load_pipeline, make_batcher, make_engine, sps_for
 
     check_batch_arguments(args)
     resolve_backend(args)

@@ -104,6 +104,11 @@ def test_calibrate_torch_backend_and_bad_flags(folders, tmp_path, capsys):
     assert table.tokens == [1, 2, 4, 6, 8] and table.meta["backend"] == "torch"
     assert cli_main(["calibrate", "--backend", "ort"]) == 2
     assert "--engines" in capsys.readouterr().err
+    assert cli_main(["serve", "--engines", str(folders["dspark"]), "--slots", "0"]) == 2
+    assert "--slots" in capsys.readouterr().err
+    assert cli_main(["serve", "--engines", str(folders["dspark"]), "--max-queue", "0"]) == 2
+    assert cli_main(["bench-serving", "--engines", str(folders["dspark"]), "--concurrency", "1,x"]) == 2
+    assert "comma list" in capsys.readouterr().err
 
 
 def test_bench_serving_table_and_plot(folders, tmp_path):
