@@ -59,11 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3 tree: verify tokens (manifest default)")
     parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
-    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4"),
-                   help="weights of the linear layers: fp32/fp16 (= --dtype) or int8/int4 weight-only on fp32 graphs")
+    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),
+                   help="weights of the linear layers: fp32/fp16 (= --dtype), int8/int4 (RTN, weight-only) or gguf "
+                        "(the GGUF target's own Q4_0/Q4_1/Q8_0 blocks, bit for bit)")
     q.add_argument("--quant-block", type=int, default=32, help="int8/int4: weights per scale block along K")
     q.add_argument("--quant-asymmetric", action="store_true", help="int8/int4: zero points per block (default symmetric)")
     q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
+    q.add_argument("--quant-accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
+                   help="MatMulNBits compute: 4 = int8 activations (fastest on CPU), 0 = float activations")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -241,11 +244,22 @@ def export_engine(
         if quant is not None:
             from specrt.export.quantize import quantize_graph
 
+            gguf_blocks = None
+            if quant.weights == "gguf":
+                from specrt.export.gguf_quant import read_gguf_blocks
+
+                source = Path(str(getattr(loaded_target, "source", "")))
+                if source.suffix != ".gguf":
+                    raise SpecrtError(f"--weights gguf needs a GGUF target, not {source}",
+                                      "pass --target model.gguf (or the embedded default), or use --weights int4")
+                with stages.stage("read the GGUF's quantized blocks"):
+                    gguf_blocks = read_gguf_blocks(source)
             for graph in exported:
                 if graph.name.endswith("_fc") or graph.name.endswith("_ingest"):
                     continue  # a few MB each, run once per committed token: not worth the rounding
                 with stages.stage(f"quantize {graph.name} to {quant.weights}") as info:
-                    q = quantize_graph(graph.path, quant, external_data=graph.data_path is not None)
+                    q = quantize_graph(graph.path, quant, external_data=graph.data_path is not None,
+                                       gguf_blocks=gguf_blocks)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> MatMulNBits, {size / 2**20:.1f} MB"
         with stages.stage("tokenizer, manifest, checksums"):
@@ -306,7 +320,8 @@ def quant_options(args: argparse.Namespace):
                           "drop --dtype (int8/int4 weights keep fp32 activations)")
     from specrt.export.quantize import QuantOptions
 
-    return QuantOptions(args.weights, args.quant_block, not args.quant_asymmetric, lm_head=not args.no_quant_lm_head)
+    return QuantOptions(args.weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
+                        lm_head=not args.no_quant_lm_head)
 
 
 def run(args: argparse.Namespace) -> int:

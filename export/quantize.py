@@ -28,20 +28,20 @@ import numpy as np
 
 from specrt.export.errors import SpecrtError
 
-WEIGHTS = ("fp32", "fp16", "int8", "int4")
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
 
 
 @dataclass
 class QuantOptions:
-    weights: str = "int4"  # int8 | int4
+    weights: str = "int4"  # int8 | int4 | gguf (the GGUF's own Q4_0/Q4_1/Q8_0 blocks, specrt.export.gguf_quant)
     block_size: int = 32
     symmetric: bool = True
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations x int8-unpacked weights (fastest on CPU)
     lm_head: bool = True
 
     def __post_init__(self) -> None:
-        if self.weights not in ("int8", "int4"):
-            raise SpecrtError(f"quantization to {self.weights!r} is not supported", "use --weights int8 or int4")
+        if self.weights not in ("int8", "int4", "gguf"):
+            raise SpecrtError(f"quantization to {self.weights!r} is not supported", "use --weights int8, int4 or gguf")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SpecrtError(f"--quant-block {self.block_size} is not a power of two >= 16",
                               "use 16, 32, 64 or 128 (32 is the usual choice for int4)")
@@ -49,12 +49,13 @@ class QuantOptions:
             raise SpecrtError(f"accuracy level {self.accuracy_level} is outside 0..4", "use 4 (int8 compute) or 0")
 
     @property
-    def bits(self) -> int:
-        return 4 if self.weights == "int4" else 8
+    def bits(self) -> int | str:
+        return {"int4": 4, "int8": 8}.get(self.weights, "gguf")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "bits": self.bits, "op": "com.microsoft::MatMulNBits",
-                "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (RTN)"}
+        quantizer = ("the GGUF's own blocks (specrt.export.gguf_quant)" if self.weights == "gguf"
+                     else "onnxruntime.quantization.matmul_nbits_quantizer (RTN)")
+        return {**asdict(self), "bits": self.bits, "op": "com.microsoft::MatMulNBits", "quantizer": quantizer}
 
 
 def gemm_heads_to_matmul(model) -> int:
@@ -87,7 +88,7 @@ def drop_unused_initializers(model) -> None:
     model.graph.initializer.extend(keep)
 
 
-def quantize_graph(path: Path, options: QuantOptions, external_data: bool) -> dict:
+def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_blocks: dict | None = None) -> dict:
     """Quantize one graph file in place (its external data file is rewritten too). Returns a summary."""
     import logging
 
@@ -100,16 +101,21 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool) -> di
     model = onnx.load(str(path), load_external_data=True)
     heads = gemm_heads_to_matmul(model) if options.lm_head else 0
     matmuls = sum(1 for n in model.graph.node if n.op_type == "MatMul")
-    config = DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
-                                          accuracy_level=options.accuracy_level, bits=options.bits)
-    quantizer = MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
-                                     is_symmetric=options.symmetric, accuracy_level=options.accuracy_level,
-                                     algo_config=config)
-    quantizer.process()
-    model = quantizer.model.model
+    if options.weights == "gguf":
+        from specrt.export.gguf_quant import carry_gguf_blocks
+
+        model = carry_gguf_blocks(model, gguf_blocks or {}, options.accuracy_level)["model"]
+    else:
+        config = DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
+                                              accuracy_level=options.accuracy_level, bits=options.bits)
+        quantizer = MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
+                                         is_symmetric=options.symmetric, accuracy_level=options.accuracy_level,
+                                         algo_config=config)
+        quantizer.process()
+        model = quantizer.model.model
     drop_unused_initializers(model)
     quantized = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
-    if quantized == 0:
+    if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all
         raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
     data_name = f"{path.name}.data"
     for stale in (path, path.with_name(data_name)):
@@ -120,3 +126,4 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool) -> di
     else:
         onnx.save_model(model, str(path))
     return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads}
+

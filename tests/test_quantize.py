@@ -133,3 +133,33 @@ def test_bad_quantization_options_are_refused():
         QuantOptions("int4", block_size=24)
     with pytest.raises(SpecrtError, match="int8 or int4"):
         QuantOptions("int2")
+
+
+@pytest.mark.slow
+def test_gguf_blocks_carry_the_default_models_weights_exactly(default_target, tmp_path):
+    """--weights gguf on the Q4_1 default: every MatMul becomes MatMulNBits holding the GGUF's own blocks,
+    so with float activations (accuracy level 0) the engine computes what the fp32 torch model computes."""
+    from specrt.export.export import export_engine
+    from specrt.export.quantize import QuantOptions
+    from specrt.runtime.backends.torch_backend import TorchTargetEngine
+    from specrt.runtime.engine import causal_mask
+
+    folder = export_engine("none", out=tmp_path / "gguf", quiet=True, loaded_target=default_target,
+                           quant=QuantOptions("gguf", accuracy_level=0))
+    model = onnx.load(str(folder / "target.onnx"), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 211 and "Gemm" not in ops  # 30 layers x 7 + the tied head (Q8_0)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["export"]["weights"]["bits"] == "gguf"
+    ids = torch.tensor([default_target.tokenizer.encode_chat("Why is the sky blue?")])
+    t = ids.shape[1]
+    pipe = Pipeline.from_engines(folder, drafter="none")
+    engine = pipe.engine_for(t + 1)
+    engine.set_taps(())
+    engine.reset(1)
+    got = engine.forward(ids, torch.arange(t)[None], causal_mask(1, t))[0]
+    torch_model = default_target.model
+    torch_model.set_taps(())
+    want = TorchTargetEngine(torch_model, t + 8).forward(ids, torch.arange(t)[None], causal_mask(1, t))[0]
+    assert (got - want).abs().max() < 2e-3 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
