@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--speedup", action="store_true",
                    help="afterwards, time plain decoding of the same prompt and print the speedup")
     d.add_argument("--confidence-threshold", type=float, default=0.1,
-                   help="DSpark: verify drafts while their survival probability stays above this")
+                   help="DSpark/DFlash: verify drafts while their survival probability stays above this")
+    d.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: at most this many drafts per step")
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -85,10 +86,11 @@ def explicit_draft_options(args: argparse.Namespace):
     """DraftOptions from the flags, or None (the engine folder's recorded defaults) when none was given."""
     from specrt.runtime.proposers.factory import DraftOptions
 
-    given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold"))
+    given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold",
+                                        "--max-drafts"))
     if args.engines and not given:
         return None
-    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
+    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     # validate everything cheap before loading anything
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
+    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
     resolve_backend(args)

@@ -44,7 +44,7 @@ def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1) ->
     return Eagle3Proposer(drafter, top_k=3, depth=4, total_tokens=10)
 
 
-def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0) -> BlockProposer:
+def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0, max_drafts: int | None = None) -> BlockProposer:
     torch.manual_seed(seed)
     if kind == "dflash":
         drafter = DFlashDrafter(DFlashConfig.for_target(target.config, num_layers=1, block_size=5, num_taps=3))
@@ -53,7 +53,7 @@ def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0) 
                                                         markov_rank=16))
     drafter.init_from_target(target)
     drafter.bind_target(target.embed_tokens, target.lm_head)
-    return BlockProposer(drafter.eval(), threshold=threshold)
+    return BlockProposer(drafter.eval(), threshold=threshold, max_drafts=max_drafts)
 
 
 class OracleProposer:
@@ -109,7 +109,8 @@ def plain(target, prompts, n, sampling=SamplingParams()):
 @pytest.mark.parametrize("make", [
     lambda t: eagle3(t), lambda t: eagle3(t, draft_vocab=40), lambda t: block(t, "dflash"),
     lambda t: block(t, "dspark"), lambda t: block(t, "dspark", threshold=0.2),
-], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated"])
+    lambda t: block(t, "dflash", threshold=0.05, max_drafts=2),
+], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batch3"])
 def test_greedy_equals_plain_decoding(target, make, batched):
     proposer = make(target)
@@ -122,6 +123,13 @@ def test_greedy_equals_plain_decoding(target, make, batched):
             got = [generate_speculative(TorchTargetEngine(target, 128), proposer, [p], n, SamplingParams()).tokens[0]
                    for p in PROMPTS]
         assert got == expected, n
+
+
+def test_capped_block_proposals_respect_the_cap(target):
+    proposer = block(target, "dflash", max_drafts=2)
+    engine = TorchTargetEngine(target, 128, 1)
+    result = generate_speculative(engine, proposer, [PROMPTS[0]], 20, SamplingParams())
+    assert proposer.max_drafts == 2 and len(result.stats[0].proposed_per_position) == 2
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

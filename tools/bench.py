@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, default=None)
     p.add_argument("--tree-tokens", type=int, default=None)
     p.add_argument("--confidence-threshold", type=float, default=None)
+    p.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: drafts per step at most")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--seed", type=int, default=0)
 
@@ -81,6 +82,7 @@ def draft_options(args: argparse.Namespace, base=None):
         args.tree_depth if args.tree_depth is not None else base.tree_depth,
         args.tree_tokens if args.tree_tokens is not None else base.tree_tokens,
         args.confidence_threshold if args.confidence_threshold is not None else base.confidence_threshold,
+        args.max_drafts if args.max_drafts is not None else base.max_drafts,
     )
 
 

@@ -45,13 +45,14 @@ def pad_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
 
 class BlockProposer:
-    def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0) -> None:
+    def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0, max_drafts: int | None = None) -> None:
         self.drafter = drafter
         self.is_dspark = isinstance(drafter, DSparkDrafter) or getattr(drafter, "kind", None) == "dspark"
         self.name = "dspark" if self.is_dspark else "dflash"
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.block_size = drafter.config.block_size
-        self.max_drafts = drafter.num_drafts
+        # a verify step costs about its token count on a CPU: capping the chain trades tau for step cost
+        self.max_drafts = min(drafter.num_drafts, max_drafts) if max_drafts else drafter.num_drafts
         self.threshold = float(threshold)
         self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
         self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark round
@@ -115,7 +116,10 @@ class BlockProposer:
             else:
                 top = probs.amax(-1)
             survival = top.cumprod(dim=-1)
-            keep = torch.full((batch,), tokens.shape[1], dtype=torch.long)
+            # DFlash's survival is uncalibrated (top-prob product) but, like DSpark's, it never depends on
+            # the drawn tokens, so truncating on it keeps verification lossless
+            keep = (survival >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)
+        keep = keep.clamp(max=self.max_drafts)
         out = []
         for b in rows:
             n = int(keep[b])

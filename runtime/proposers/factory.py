@@ -21,7 +21,8 @@ class DraftOptions:
     tree_top_k: int = 4
     tree_depth: int = 5
     tree_tokens: int = 16  # verify tokens per step for EAGLE-3, anchor included
-    confidence_threshold: float = 0.1  # DSpark: keep drafts while the survival stays above this
+    confidence_threshold: float = 0.1  # DSpark / DFlash: keep drafts while the survival stays above this
+    max_drafts: int | None = None  # DSpark / DFlash: at most this many drafts per step (None: the block)
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -29,6 +30,8 @@ class DraftOptions:
                 f"bad tree settings top_k={self.tree_top_k} depth={self.tree_depth} tokens={self.tree_tokens}",
                 "use --tree-top-k >= 1, --tree-depth >= 1 and --tree-tokens >= 2",
             )
+        if self.max_drafts is not None and self.max_drafts < 1:
+            raise SpecrtError(f"--max-drafts must be >= 1, got {self.max_drafts}", "pass a positive draft count")
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise SpecrtError(
                 f"confidence threshold {self.confidence_threshold} is outside [0, 1]",
@@ -76,4 +79,4 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
     options = options or DraftOptions()
     if kind == "eagle3":
         return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens)
-    return BlockProposer(drafter, threshold=options.confidence_threshold if kind == "dspark" else 0.0)
+    return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts)
