@@ -115,22 +115,17 @@ def run(args: argparse.Namespace) -> int:
     if pipe.proposer is not None:
         print(f"drafter: {pipe.proposer.name}", file=sys.stderr)
     ids = pipe.encode(prompt, args.system, not args.no_chat_template)
-    needed = len(ids) + args.max_new_tokens
-    if args.capacity:
-        if args.capacity < needed:
-            raise SpecrtError(f"--capacity {args.capacity} cannot hold the {len(ids)}-token prompt and "
-                              f"{args.max_new_tokens} new tokens", f"pass --capacity >= {needed}")
-        pipe.engine_for(args.capacity)
     stream = TextStream(pipe.tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     start = time.perf_counter()
-    result = pipe.generate_ids([ids], args.max_new_tokens, sampling, True, lambda row, new: stream.push(new))
+    result = pipe.generate_ids([ids], args.max_new_tokens, sampling, True, lambda row, new: stream.push(new),
+                               capacity=args.capacity)
     stream.close()
     wall = time.perf_counter() - start
     sys.stdout.write("\n")
     print(summary_line(result.stats, wall), file=sys.stderr)
     if args.speedup and pipe.proposer is not None:
         start = time.perf_counter()
-        plain = pipe.generate_ids([ids], args.max_new_tokens, sampling, speculative=False)
+        plain = pipe.generate_ids([ids], args.max_new_tokens, sampling, speculative=False, capacity=args.capacity)
         plain_wall = time.perf_counter() - start
         if not sampling.greedy:
             same = "sampled: each run draws its own tokens"

@@ -125,8 +125,11 @@ class Pipeline:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256,
                      sampling: SamplingParams | None = None, speculative: bool = True,
-                     on_tokens: Callable[[int, list[int]], None] | None = None):
-        """Token-level batch generation: the loop's GenerationResult."""
+                     on_tokens: Callable[[int, list[int]], None] | None = None, capacity: int | None = None):
+        """Token-level batch generation: the loop's GenerationResult.
+
+        capacity: a fixed KV cache size (generation stops when it is full) instead of one sized to the request.
+        """
         from specrt.runtime.generate import generate_autoregressive
         from specrt.runtime.speculative import generate_speculative
 
@@ -135,7 +138,9 @@ class Pipeline:
             raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "ask for at least one token")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SpecrtError("empty prompt", "give at least one token of prompt text")
-        engine = self.engine_for(max(len(p) for p in prompts) + max_new_tokens, len(prompts))
+        engine = self.engine_for(capacity or max(len(p) for p in prompts) + max_new_tokens, len(prompts))
+        if capacity and engine.capacity != capacity:
+            self._engine = engine = self._engine_factory(capacity, len(prompts), _spare_slots(self.proposer))
         eos = self.config.eos_token_ids
         if speculative and self.proposer is not None:
             return generate_speculative(engine, self.proposer, prompts, max_new_tokens, sampling, eos, on_tokens)
