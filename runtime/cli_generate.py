@@ -90,7 +90,8 @@ def explicit_draft_options(args: argparse.Namespace):
                                         "--max-drafts"))
     if args.engines and not given:
         return None
-    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts)
+    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
+                        getattr(args, "max_drafts", None))  # serve/calibrate reuse this without --max-drafts
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     for kind in ("dflash", "dspark"):
-        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 8}
+        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 8, "against": "plain"}
         for mode in ("greedy", "t1"):
             assert report["acceptance"][mode][kind]["tau"] >= 1.0
     assert set(report["speed"]) == {"plain", "dflash", "dspark"}

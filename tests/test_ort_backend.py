@@ -43,6 +43,10 @@ def folders(tmp_path_factory):
     out = root / "engine-none"
     assert export_main(["--drafter", "none", "--target", str(root / "tiny"), "--out", str(out), "--quiet"]) == 0
     engines["none"] = out
+    out = root / "engine-dspark-int8"
+    assert export_main(["--drafter", "dspark", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt-dspark"),
+                        "--out", str(out), "--weights", "int8", "--quant-block", "16", "--quiet"]) == 0
+    engines["dspark-int8"] = out
     return {"root": root, "engines": engines}
 
 
@@ -182,17 +186,19 @@ def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path,
     # the tiny vocabulary has no chat text: feed MT-bench-shaped questions made of its own words
     monkeypatch.setattr(datasets, "mtbench_questions", lambda: [{"turns": ["w5 w9 w23"]}, {"turns": ["w40 w2"]}])
     out = tmp_path / "report"
-    engines = ",".join(str(folders["engines"][k]) for k in KINDS)
+    engines = ",".join(str(folders["engines"][k]) for k in (*KINDS, "dspark-int8"))
     code = main(["bench", "--engines", engines, "--prompts", "2", "--max-new-tokens", "10", "--check-tokens", "10",
                  "--speed-prompts", "2", "--speed-tokens", "6", "--kv-contexts", "8,40", "--threads", "1",
                  "--compare", "llama.cpp", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["backend"] == "ort"
-    for kind in KINDS:
-        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 10}
+    for kind in (*KINDS, "dspark@int8"):
+        assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 10,
+                                            "against": "plain@int8" if "@" in kind else "plain"}
         assert report["acceptance"]["greedy"][kind]["tau"] >= 1.0
-    assert set(report["speed"]) == {"plain", *KINDS}
+    assert set(report["speed"]) == {"plain", "plain@int8", *KINDS, "dspark@int8"}
+    assert report["speed"]["dspark@int8"]["vs_own_plain"] > 0
     # the tiny target is an HF folder: llama.cpp is reported as not run, with the reason
     assert report["peers"]["llama.cpp"]["ran"] is False
     assert "GGUF" in report["peers"]["llama.cpp"]["note"] or "not installed" in report["peers"]["llama.cpp"]["note"]

@@ -131,7 +131,7 @@ def test_first_divergence():
 def test_bad_quantization_options_are_refused():
     with pytest.raises(SpecrtError, match="power of two"):
         QuantOptions("int4", block_size=24)
-    with pytest.raises(SpecrtError, match="int8 or int4"):
+    with pytest.raises(SpecrtError, match="int8, int4"):
         QuantOptions("int2")
 
 

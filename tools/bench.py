@@ -5,8 +5,10 @@
                  [--prompts 80] [--max-new-tokens 256] [--speed-prompts 8] [--out docs/bench]
 
 Configurations: plain decoding and each drafter, on one backend. With --engines (ort) every folder
-brings its drafter and plain decoding runs on the first folder's target graph; with torch the
-drafters come from --drafters (default: the shipped ones) over one loaded target.
+brings its drafter, and plain decoding runs on the target graph of the first folder of each weight
+format (fp32, int8, int4, gguf: quantized folders are labelled kind@int4 etc. and checked for
+losslessness against plain decoding on the same weights); with torch the drafters come from
+--drafters (default: the shipped ones) over one loaded target.
 
 Three measurements, because they answer different questions on a 2-core machine:
 - acceptance (tau, acceptance per draft position) on all prompts, greedy and T=1, generated as
@@ -82,12 +84,12 @@ def draft_options(args: argparse.Namespace, base=None):
         args.tree_depth if args.tree_depth is not None else base.tree_depth,
         args.tree_tokens if args.tree_tokens is not None else base.tree_tokens,
         args.confidence_threshold if args.confidence_threshold is not None else base.confidence_threshold,
-        args.max_drafts if args.max_drafts is not None else base.max_drafts,
+        getattr(args, "max_drafts", None) or base.max_drafts,  # bench-serving reuses this without --max-drafts
     )
 
 
 def build_pipelines(args: argparse.Namespace):
-    """(plain pipeline, {drafter name: pipeline}) on the chosen backend."""
+    """({plain label: pipeline}, {drafter label: pipeline}, backend) on the chosen backend."""
     from specrt.export.errors import SpecrtError
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.factory import load_proposer
@@ -101,23 +103,39 @@ def build_pipelines(args: argparse.Namespace):
         if not folders:
             raise SpecrtError("--backend ort needs --engines FOLDER[,FOLDER...]",
                               "export engines first: specrt export --drafter KIND --out engines/NAME")
+        plains: dict[str, Pipeline] = {}
         drafted: dict[str, Pipeline] = {}
-        plain = None
         for folder in folders:
-            defaults = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data)
-            pipe = Pipeline.from_engines(folder, args.device, args.threads, draft_options=draft_options(args, defaults))
+            data = load_manifest(folder, verify_checksums=False).data
+            pipe = Pipeline.from_engines(folder, args.device, args.threads,
+                                         draft_options=draft_options(args, manifest_draft_defaults(data)))
+            suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
+            plains.setdefault("plain" + suffix, pipe.with_proposer(None))
             if pipe.proposer is not None:
-                if pipe.proposer.name in drafted:
-                    raise SpecrtError(f"two engine folders hold a {pipe.proposer.name} drafter", "pass one folder per drafter")
-                drafted[pipe.proposer.name] = pipe
-            plain = plain or pipe.with_proposer(None)
-        return plain, drafted, "ort"
+                label = pipe.proposer.name + suffix
+                if label in drafted:
+                    raise SpecrtError(f"two engine folders hold a {label} drafter", "pass one folder per drafter")
+                drafted[label] = pipe
+        return plains, drafted, "ort"
     plain = Pipeline.from_checkpoint(args.target, device=args.device)
     shipped_for = plain.name if args.target is None else None
     options = draft_options(args)
     drafted = {kind: plain.with_proposer(load_proposer(kind, path, plain.model, options, shipped_for))
                for kind, path in parse_drafters(args.drafters).items()}
-    return plain, drafted, "torch"
+    return {"plain": plain}, drafted, "torch"
+
+
+def weights_suffix(manifest: dict) -> str:
+    w = (manifest.get("export") or {}).get("weights") or {}
+    bits = w.get("bits")
+    if bits is None:
+        return ""
+    return "@gguf" if bits == "gguf" else f"@int{bits}"
+
+
+def plain_of(label: str) -> str:
+    """The plain-decoding configuration a drafter configuration is lossless against (same weights)."""
+    return "plain" + (label[label.index("@"):] if "@" in label else "")
 
 
 def _batched(fn, prompts, batch_size):
@@ -139,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     compare = [c for c in args.compare.split(",") if c]
-    plain, drafted, backend = build_pipelines(args)
+    plains, drafted, backend = build_pipelines(args)
+    plain = plains.get("plain") or next(iter(plains.values()))
     tok = plain.tokenizer
     questions = mtbench_questions()[: args.prompts]
     prompts = [tok.encode_chat(q["turns"][0]) for q in questions]
@@ -152,9 +171,10 @@ def run(args: argparse.Namespace) -> int:
     for mode in [m for m in args.modes.split(",") if m]:
         params = modes[mode]
         report["acceptance"][mode] = {}
-        plain_tokens = None
+        plain_tokens: dict[str, list] = {}
         if mode == "greedy" and drafted:
-            plain_tokens, _ = _run_all(plain, prompts, args, params, f"{mode}: plain")
+            for label in sorted({plain_of(k) for k in drafted}):
+                plain_tokens[label], _ = _run_all(plains[label], prompts, args, params, f"{mode}: {label}")
         for kind, pipe in drafted.items():
             tokens, stats = _run_all(pipe, prompts, args, params, f"{mode}: {kind}")
             rounds = sum(s.rounds for s in stats)
@@ -165,13 +185,14 @@ def run(args: argparse.Namespace) -> int:
                 "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
                 "tokens": sum(s.new_tokens for s in stats), "rounds": rounds,
             }
-            if plain_tokens is not None:
+            if plain_tokens:
                 n = args.check_tokens
-                same = sum(a[:n] == b[:n] for a, b in zip(tokens, plain_tokens))
-                report["lossless"][kind] = {"identical": same, "of": len(prompts), "tokens_compared": n}
+                same = sum(a[:n] == b[:n] for a, b in zip(tokens, plain_tokens[plain_of(kind)]))
+                report["lossless"][kind] = {"identical": same, "of": len(prompts), "tokens_compared": n,
+                                            "against": plain_of(kind)}
 
     if args.speed_prompts:
-        report["speed"], report["peers"] = measure_speed(plain, drafted, prompts[: args.speed_prompts], args,
+        report["speed"], report["peers"] = measure_speed(plains, drafted, prompts[: args.speed_prompts], args,
                                                          compare, threads)
     contexts = [int(c) for c in args.kv_contexts.split(",") if c]
     if contexts:
@@ -201,7 +222,7 @@ def _run_all(pipe, prompts, args, params, desc):
     return tokens, stats
 
 
-def measure_speed(plain, drafted, prompts, args, compare, threads):
+def measure_speed(plains, drafted, prompts, args, compare, threads):
     """Batch-1 tok/s of every configuration and peer, interleaved prompt by prompt."""
     from tqdm import tqdm
 
@@ -209,7 +230,10 @@ def measure_speed(plain, drafted, prompts, args, compare, threads):
     from specrt.tools.peers import make_peers, time_peer
 
     greedy = SamplingParams(0.0)
-    runners = {"plain": lambda p: _timed(plain, p, args.speed_tokens, greedy)}
+    plain = plains.get("plain") or next(iter(plains.values()))
+    runners = {}
+    for label, pipe in plains.items():
+        runners[label] = (lambda pipe: lambda p: _timed(pipe, p, args.speed_tokens, greedy))(pipe)
     for kind, pipe in drafted.items():
         runners[kind] = (lambda pipe: lambda p: _timed(pipe, p, args.speed_tokens, greedy))(pipe)
     notes: dict[str, str] = {}
@@ -230,12 +254,15 @@ def measure_speed(plain, drafted, prompts, args, compare, threads):
             made, took = runners[name](prompt)
             produced[name] += made
             seconds[name] += took
-    base = produced["plain"] / seconds["plain"]
+    first = next(iter(plains))
+    base = produced[first] / seconds[first]
     speed = {}
     for name in names:
         rate = produced[name] / seconds[name]
+        own = plain_of(name) if name in drafted else None
         speed[name] = {"tok_s": rate, "speedup": rate / base, "tokens": produced[name],
-                       "peer": name not in ("plain", *drafted)}
+                       "peer": name not in plains and name not in drafted,
+                       "vs_own_plain": rate * seconds[own] / produced[own] if own in produced else None}
     peers = {name: {"note": note, "ran": name in runners} for name, note in notes.items()}
     return speed, peers
 
@@ -299,10 +326,12 @@ def render_markdown(report: dict) -> str:
         lines.append("")
     if report["speed"]:
         lines += ["### speed, batch 1, greedy (prefill included; interleaved in one run)", "",
-                  "| configuration | tok/s | vs specrt plain |", "|---|---|---|"]
+                  "| configuration | tok/s | vs specrt plain (first engine) | vs plain on the same weights |",
+                  "|---|---|---|---|"]
         for name, s in report["speed"].items():
             label = f"{name} (peer)" if s.get("peer") else name
-            lines.append(f"| {label} | {s['tok_s']:.1f} | {s['speedup']:.2f}x |")
+            own = f"{s['vs_own_plain']:.2f}x" if s.get("vs_own_plain") else "-"
+            lines.append(f"| {label} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {own} |")
         lines.append("")
     for name, p in report.get("peers", {}).items():
         lines.append(f"- {name}: {p['note']}" + ("" if p["ran"] else " (not run)"))
@@ -341,7 +370,8 @@ def plot(report: dict, out: Path) -> None:
         names = list(report["speed"])
         colors = ["tab:gray" if report["speed"][n].get("peer") else "tab:blue" for n in names]
         ax.bar(names, [report["speed"][n]["tok_s"] for n in names], color=colors)
-        ax.axhline(report["speed"]["plain"]["tok_s"], color="gray", linestyle="--", label="specrt plain")
+        first = next(iter(report["speed"]))
+        ax.axhline(report["speed"][first]["tok_s"], color="gray", linestyle="--", label=f"specrt {first}")
         ax.set(title=f"tokens/s, batch 1, greedy ({report['backend']}, {report['threads']} threads; gray: peers)",
                ylabel="tok/s")
         ax.tick_params(axis="x", rotation=20)

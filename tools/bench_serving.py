@@ -92,8 +92,8 @@ def build(args: argparse.Namespace):
 
         return Pipeline.from_checkpoint(args.target, device=args.device), {}, backend, {}
     if backend != "ort":
-        plain, drafted, backend = build_pipelines(args)
-        return plain, drafted, backend, {}
+        plains, drafted, backend = build_pipelines(args)
+        return plains["plain"], drafted, backend, {}
     from specrt.export.manifest import load_manifest
     from specrt.runtime.backends.ort_backend import manifest_draft_defaults
     from specrt.runtime.pipeline import Pipeline
@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         table = load_sps_for(folders.get(name), args.sps)
         if table is None:
             print(f"{name}: no sps.json, profiling a quick SPS table", file=sys.stderr)
-            engine = pipe.engine_for(128 + (pipe.proposer.max_drafts + 1) + 1, max(levels))
+            engine = pipe.engine_for(min(pipe.config.max_position_embeddings, 128 + (pipe.proposer.max_drafts + 1) + 1),
+                                     max(levels))
             engine.set_taps(pipe.proposer.tap_layers)
             table = profile_sps(engine, max(levels) * (pipe.proposer.max_drafts + 1), context=64, repeats=2, warmup=1)
         tables[name] = table
