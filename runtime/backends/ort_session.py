@@ -82,8 +82,9 @@ def _session_options(opts: SessionOptions):
     so.graph_optimization_level = levels[opts.optimization]
     if opts.threads:
         so.intra_op_num_threads = int(opts.threads)
-        # no spinning: between graph calls the runtime's Python runs, and spinning threads steal its core
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # no spinning: between graph calls the runtime's Python runs (tree building, verification), and
+    # spinning pool threads steal its core; with a drafter's many small calls that halves the speed
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.enable_profiling = opts.profile
