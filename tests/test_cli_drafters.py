@@ -67,6 +67,9 @@ def test_drafter_kind_mismatch_and_missing_checkpoint(drafter_dirs, capsys):
     code = main(["generate", "--prompt", "hi", "--drafter", "eagle3", "--drafter-ckpt", str(drafter_dirs["dflash"])])
     err = capsys.readouterr().err
     assert code == 2 and "fix:" in err
-    code = main(["generate", "--prompt", "hi", "--drafter", "dspark"])
+    # drafters ship for the embedded default only: a target given by path needs --drafter-ckpt
+    from specrt.export.default_model import find_default_gguf
+
+    code = main(["generate", "--prompt", "hi", "--drafter", "dspark", "--target", str(find_default_gguf())])
     err = capsys.readouterr().err
     assert code == 2 and "--drafter-ckpt" in err
