@@ -22,18 +22,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="user message (default: read stdin)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
-    p.add_argument("--backend", default="auto", choices=["auto", "ort", "trt", "torch"],
-                   help="auto: ort with --engines, torch otherwise; trt: the folder's TensorRT plans (specrt build)")
-    p.add_argument("--target", help="torch backend: HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt (ORT's TensorRT EP)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype for the torch backend")
+    d = add_model_arguments(p, backends=("auto", "ort", "trt", "torch"))
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--capacity", type=int, default=None, help="KV cache slots (default: prompt + max-new-tokens + margin)")
+    d.add_argument("--speedup", action="store_true",
+                   help="afterwards, time plain decoding of the same prompt and print the speedup")
+    d.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: at most this many drafts per step")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "torch")):
+    """Where the model comes from and how it drafts: shared by generate, serve and calibrate.
+
+    Returns the "speculative decoding" group so a subcommand can add its own drafting flags to it.
+    """
+    p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
+    p.add_argument("--backend", default="auto", choices=list(backends),
+                   help="auto: ort with --engines, torch otherwise" + ("; trt: the folder's TensorRT plans "
+                                                                      "(specrt build)" if "trt" in backends else ""))
+    p.add_argument("--target", help="torch backend: HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt (ORT's TensorRT EP)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype for the torch backend")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
     p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files at load")
     d = p.add_argument_group("speculative decoding")
@@ -43,11 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
     d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
-    d.add_argument("--speedup", action="store_true",
-                   help="afterwards, time plain decoding of the same prompt and print the speedup")
     d.add_argument("--confidence-threshold", type=float, default=0.1,
                    help="DSpark/DFlash: verify drafts while their survival probability stays above this")
-    d.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: at most this many drafts per step")
+    return d
 
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

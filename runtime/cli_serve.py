@@ -20,23 +20,10 @@ from specrt.export.errors import SpecrtError
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", help="engine folder written by `specrt export` (implies --backend ort)")
-    p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
-                   help="auto: ort with --engines, torch otherwise")
-    p.add_argument("--target", help="torch backend: HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda (torch device or ORT's CUDA EP) or tensorrt")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="torch backend weight dtype")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
-    p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files")
-    d = p.add_argument_group("speculative decoding")
-    d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark"],
-                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding")
-    d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
-    d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
-    d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
-    d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
-    d.add_argument("--confidence-threshold", type=float, default=0.1,
-                   help="DSpark with --schedule fixed: verify drafts while their survival stays above this")
+    """generate's model and drafting flags (no trt backend: the batcher's row views are untested there)."""
+    from specrt.runtime.cli_generate import add_model_arguments as shared
+
+    shared(p, backends=("auto", "ort", "torch"))
 
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
