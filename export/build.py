@@ -394,11 +394,15 @@ def build_engines(folder: str | Path, limits: Limits | None = None, options: Bui
     manifest = load_manifest(folder)
     data = manifest.data
     limits = limits or resolve_limits(data, **(limit_overrides or {}))
-    names = list(graphs or data["graphs"])
+    # graphs on ONNX Runtime contrib ops (target_ort) are ORT's own fast path, not TensorRT input
+    names = list(graphs or [n for n, g in data["graphs"].items() if g.get("runtime", "any") != "onnxruntime"])
     for name in names:
         if name not in data["graphs"]:
             raise SpecrtError(f"{folder} has no graph '{name}' (it has: {', '.join(data['graphs'])})",
                               "pass --graphs with names from the manifest")
+        if data["graphs"][name].get("runtime", "any") == "onnxruntime":
+            raise SpecrtError(f"graph '{name}' uses ONNX Runtime contrib ops, which TensorRT cannot build",
+                              "leave it out of --graphs (the portable 'target' graph is the TensorRT input)")
     plans = {name: graph_profiles(name, data["graphs"][name], limits) for name in names}
     use_plugins = options.plugins != "none"
     check_confidence_limits(data, limits, use_plugins)

@@ -54,9 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K/V cache capacity recorded for the runtime (default: max_position_embeddings)")
     parser.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
                         help="store weights beside the graph (auto: graphs over 512 MiB)")
-    parser.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3 tree: children per node (manifest default)")
-    parser.add_argument("--tree-depth", type=int, default=4, help="EAGLE-3 tree: depth (manifest default)")
-    parser.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3 tree: verify tokens (manifest default)")
+    # the default tree is sized for a CPU, where verify cost grows with every token (measured in
+    # docs/numbers.md: 4/4/16 ran at 0.74x of plain decoding, 2/2/4 at 0.98x); GPUs want wider trees
+    parser.add_argument("--tree-top-k", type=int, default=2, help="EAGLE-3 tree: children per node (manifest default)")
+    parser.add_argument("--tree-depth", type=int, default=2, help="EAGLE-3 tree: depth (manifest default)")
+    parser.add_argument("--tree-tokens", type=int, default=4, help="EAGLE-3 tree: verify tokens (manifest default)")
     parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
     q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),
@@ -67,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
     q.add_argument("--quant-accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
                    help="MatMulNBits compute: 4 = int8 activations (fastest on CPU), 0 = float activations")
+    parser.add_argument("--no-ort-fused", action="store_true",
+                        help="skip target_ort, the ONNX Runtime contrib-op target graph (specrt.export.ort_fused) "
+                             "that runs single streams ~1.5-2x faster on ORT's CPU provider; the portable graph "
+                             "(any ONNX runtime, TensorRT) is always written")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -175,6 +181,7 @@ def export_engine(
     drafter_model=None,
     command: list[str] | None = None,
     quant=None,
+    ort_fused: bool = True,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
     import torch
@@ -241,6 +248,18 @@ def export_engine(
                 size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                 info["note"] = f"{size / 2**20:.1f} MB{' (external data)' if graph.data_path else ''}"
                 exported.append(graph)
+        if ort_fused and torch_dtype == torch.float32:
+            from specrt.export import ort_fused as fused
+
+            reason = fused.supports(model)
+            with stages.stage(f"graph {fused.GRAPH_NAME} (ONNX Runtime contrib ops)") as info:
+                if reason:
+                    info["note"] = f"skipped: {reason}"
+                else:
+                    graph = fused.export_fused_target(model, tmp, torch_dtype, external_data)
+                    size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
+                    info["note"] = f"{size / 2**20:.1f} MB"
+                    exported.append(graph)
         if quant is not None:
             from specrt.export.quantize import quantize_graph
 
@@ -266,7 +285,7 @@ def export_engine(
             loaded_target.tokenizer.save(tmp)
             drafter_info = None
             if drafter is not None:
-                roles = {g.name.split("_", 1)[1]: g.name for g in exported if g.name != "target"}
+                roles = {g.name.split("_", 1)[1]: g.name for g in exported if not g.name.startswith("target")}
                 extra: dict = {}
                 if drafter_kind == "eagle3":
                     import numpy as np
@@ -275,7 +294,7 @@ def export_engine(
                     np.save(tmp / "draft_to_target.npy", ids.astype(np.int64))
                     extra["draft_vocab"] = {"file": "draft_to_target.npy", "size": int(ids.shape[0]),
                                             "meaning": "target id of each draft id"}
-                    t = {"top_k": 4, "depth": 4, "total_tokens": 16, **(tree or {})}
+                    t = {"top_k": 2, "depth": 2, "total_tokens": 4, **(tree or {})}
                     extra["tree"] = t
                     extra["num_drafts"] = t["total_tokens"] - 1
                 if drafter_kind == "dspark":
@@ -331,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         opset=args.opset, capacity=args.capacity, external_data=args.external_data,
         tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
         threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
+        ort_fused=not args.no_ort_fused,
     )
     return 0
 

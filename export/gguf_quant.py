@@ -8,10 +8,11 @@ GGUF blocks into `com.microsoft::MatMulNBits` unchanged:
 
 - Q4_0 (w = d*(q-8)): bits 4, scales d, the op's default zero point 8. Exact.
 - Q8_0 (w = d*q, q int8): bits 8, stored as q+128 with the default zero point 128. Exact.
-- Q4_1 (w = d*q + m): MatMulNBits takes integer zero points on its fast path (a float zero point
-  would carry m exactly but falls to a ~50x slower kernel), so the node holds d*q (zero point 0) and
-  the minimum goes in a correction: x.w = sum_b d_b (q_b . x_b) + sum_b m_b (1 . x_b), i.e. the
-  MatMulNBits output plus (block sums of x) @ M^T, with M [N, K/32] the block minima. The block
+- Q4_1 (w = d*q + m): a float zero point would carry m exactly but falls to a ~50x slower kernel,
+  and an explicit integer zero-point tensor changes results with the number of rows (see below), so
+  the node holds d*(q-8) (the default zero point) and the rest goes in a correction:
+  x.w = sum_b d_b ((q_b - 8) . x_b) + sum_b (m_b + 8 d_b) (1 . x_b), i.e. the MatMulNBits output plus
+  (block sums of x) @ M^T, with M [N, K/32] the per-block offsets m + 8d. The block
   sums are computed once per input tensor and shared by the projections that read it (q/k/v,
   gate/up). Exact up to float summation order.
 
@@ -124,6 +125,24 @@ def _rank_of(model, name: str) -> int | None:
     return None
 
 
+def _concatenated_blocks(node, weight: np.ndarray, blocks: dict[str, GgufBlocks]) -> GgufBlocks | None:
+    """Blocks of a fused projection (q|k|v, gate|up: `specrt.export.ort_fused`), whose MatMul weight
+    is several GGUF tensors side by side along N; the node's `specrt.parts` gives their widths."""
+    widths = next((p.value for p in node.metadata_props if p.key == "specrt.parts"), None)
+    if widths is None:
+        return None
+    edges = np.cumsum([0] + [int(w) for w in widths.split(",")])
+    if edges[-1] != weight.shape[1]:
+        return None
+    parts = [blocks.get(_weight_key(weight[:, a:b])) for a, b in zip(edges[:-1], edges[1:])]
+    if any(p is None for p in parts) or len({(p.kind, p.bits) for p in parts}) != 1:
+        return None  # a part is missing or the parts mix formats: leave the MatMul to other passes
+    first = parts[0]
+    minima = None if first.minima is None else np.concatenate([p.minima for p in parts], axis=0)
+    return GgufBlocks("|".join(p.name for p in parts), first.kind, np.concatenate([p.codes for p in parts], axis=0),
+                      np.concatenate([p.scales for p in parts], axis=0), minima, first.bits)
+
+
 def carry_gguf_blocks(model, blocks: dict[str, GgufBlocks], accuracy_level: int = 4) -> dict:
     """Replace every MatMul whose constant B matches a GGUF tensor by MatMulNBits (+ Q4_1 correction)."""
     import onnx
@@ -140,7 +159,7 @@ def carry_gguf_blocks(model, blocks: dict[str, GgufBlocks], accuracy_level: int 
             new_nodes.append(node)
             continue
         weight = numpy_helper.to_array(b)
-        found = blocks.get(_weight_key(weight))
+        found = blocks.get(_weight_key(weight)) or _concatenated_blocks(node, weight, blocks)
         if found is None:
             skipped += 1
             new_nodes.append(node)
@@ -155,10 +174,11 @@ def carry_gguf_blocks(model, blocks: dict[str, GgufBlocks], accuracy_level: int 
             packed = codes.astype(np.uint8)  # [N, nb, 32]
         new_inits += [numpy_helper.from_array(packed, f"{base}_q"),
                       numpy_helper.from_array(found.scales.reshape(-1).astype(np.float32), f"{base}_scales")]
+        # no zero-point input: the op's default (8 for 4 bits) keeps MatMulNBits on its symmetric kernel,
+        # whose results for one row do not depend on how many rows are in the call. With an explicit
+        # zero-point tensor ORT 1.32 runs M = 1 and M > 1 through different paths whose logits differ by
+        # ~1, so a speculative verify step (M > 1) would disagree with plain decoding (M = 1).
         inputs = [node.input[0], f"{base}_q", f"{base}_scales"]
-        if found.kind == "Q4_1":  # zero point 0 (codes are d*q); the minima go to the correction below
-            new_inits.append(numpy_helper.from_array(np.zeros((n * ((nb + 1) // 2),), np.uint8), f"{base}_zp"))
-            inputs.append(f"{base}_zp")
         out = node.output[0]
         nbits_out = f"{base}_y" if found.kind == "Q4_1" else out
         new_nodes.append(helper.make_node("MatMulNBits", inputs, [nbits_out], name=f"{base}_matmul",
@@ -177,7 +197,10 @@ def carry_gguf_blocks(model, blocks: dict[str, GgufBlocks], accuracy_level: int 
                 new_nodes.append(helper.make_node("ReduceSum", [f"{x}__blocks", f"{x}__lastaxis"], [f"{x}__blocksum"],
                                                   keepdims=0))
                 block_sums[x] = f"{x}__blocksum"
-            new_inits.append(numpy_helper.from_array(np.ascontiguousarray(found.minima.T), f"{base}_minima"))
+            # w = d*q + m = d*(q - 8) + (m + 8d): the node applies the default zero point 8, the
+            # correction adds m + 8d per block (8d is exact; fp16 d and m sum exactly in float32)
+            offsets = found.minima + 8.0 * found.scales
+            new_inits.append(numpy_helper.from_array(np.ascontiguousarray(offsets.T.astype(np.float32)), f"{base}_minima"))
             new_nodes.append(helper.make_node("MatMul", [block_sums[x], f"{base}_minima"], [f"{base}_corr"]))
             new_nodes.append(helper.make_node("Add", [nbits_out, f"{base}_corr"], [out]))
         carried += 1

@@ -18,7 +18,8 @@ Layout (format "specrt.engine", format_version 1):
                    total_tokens}; dflash/dspark: block_size, mask_token_id; dspark: markov_rank,
                    markov_variant, sts_temperatures, policy {threshold, sps}}
     graphs        {name: {file, data (external-data file or null), description, custom_ops,
-                   inputs [{name, dtype, shape}], outputs [{name, dtype, shape}]}}
+                   inputs [{name, dtype, shape}], outputs [{name, dtype, shape}], runtime ("any", or
+                   "onnxruntime" for target_ort, which uses ORT contrib ops: specrt.export.ort_fused)}}
                    shapes mix ints and dimension names (batch, seq, rows, past, capacity, block, ...)
     custom_ops    [{domain, name, version, graphs}]: each a model-local function in those graphs
     tokenizer     {file: tokenizer.json, config: tokenizer_config.json}
@@ -144,6 +145,7 @@ def build_manifest(
             "custom_ops": list(g.custom_ops),
             "inputs": g.inputs,
             "outputs": g.outputs,
+            "runtime": getattr(g, "runtime", "any"),
         }
         for op in g.custom_ops:
             custom.setdefault(op, []).append(g.name)

@@ -390,6 +390,7 @@ class ExportedGraph:
     custom_ops: list[str]
     inputs: list[dict[str, Any]]
     outputs: list[dict[str, Any]]
+    runtime: str = "any"  # "onnxruntime": uses ORT contrib ops (specrt.export.ort_fused); TensorRT skips it
 
 
 def _set_shape(value, shape: Sequence[Any]) -> None:

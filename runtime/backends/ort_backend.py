@@ -25,9 +25,10 @@ import torch
 from specrt.export.errors import SpecrtError
 from specrt.export.manifest import EngineManifest, load_manifest
 from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
-from specrt.runtime.backends.ort_session import OrtGraph, SessionOptions
+from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 
+FUSED_GRAPH = "target_ort"  # specrt.export.ort_fused
 _CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -72,8 +73,11 @@ def manifest_draft_defaults(data: dict[str, Any]):
 
 
 def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,
-                 verify_checksums: bool = True) -> OrtEngines:
-    """Validate the manifest (checksums included) and open one session per graph."""
+                 verify_checksums: bool = True, use_fused: bool = True) -> OrtEngines:
+    """Validate the manifest (checksums included) and open one session per graph.
+
+    use_fused: run single streams on the folder's ORT-fused target graph when it has one (CPU); the
+    portable graph then loads on the first batched call. False: the portable graph only."""
     from specrt.export.tokenizer import chat_tokenizer_from_folder
 
     options = options or SessionOptions()
@@ -96,7 +100,12 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
         return OrtGraph(manifest.graph_path(name), graphs[name], options)
 
     target_cfg = manifest.target_config
-    target = OrtTargetModel(graph("target"), target_cfg, data["target"].get("tap_layers", []), cache_dtype)
+    fused = None
+    if use_fused and FUSED_GRAPH in graphs and options.device == "cpu":
+        # GroupQueryAttention's CUDA kernel takes fp16/bf16 only and is untested here: CPU first
+        fused = graph(FUSED_GRAPH)
+    portable = LazyGraph(manifest.graph_path("target"), graphs["target"], options) if fused else graph("target")
+    target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
     drafter, kind = None, manifest.drafter_kind
     if with_drafter and kind:
         section = data["drafter"]

@@ -70,15 +70,26 @@ def cache_feeds(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch
 
 
 class OrtTargetModel:
-    """The exported target graph with LlamaModel's call contract (see the module docstring)."""
+    """The exported target graph with LlamaModel's call contract (see the module docstring).
 
-    def __init__(self, graph: OrtGraph, config: LlamaConfig, tap_layers: Sequence[int], cache_dtype: torch.dtype):
-        self.graph = graph
+    With an ORT-fused graph (`target_ort`, `specrt.export.ort_fused`) single-stream calls (batch 1, new
+    tokens in the slots right after the committed ones: every call `TorchTargetEngine` makes) run
+    that graph: GroupQueryAttention reads the committed slots and writes the new K/V into the cache
+    buffers in place, the tree mask travels as an additive bias. Batches run the portable graph.
+    Both graphs compute the same function; their float rounding differs, so a request gives the
+    same greedy text alone and in a batch except at near-ties (as with any kernel change).
+    """
+
+    def __init__(self, graph, config: LlamaConfig, tap_layers: Sequence[int], cache_dtype: torch.dtype,
+                 fused: OrtGraph | None = None):
+        self.graph = graph  # OrtGraph, or a LazyGraph when `fused` serves single streams
+        self.fused = fused
         self.config = config
         self.exported_taps = tuple(int(i) for i in tap_layers)
         self.tap_layers = self.exported_taps
         self.device = graph.device
         self.dtype = cache_dtype
+        self.fused_calls = 0  # how many forwards took the fused graph (tests, diagnostics)
 
     def set_taps(self, tap_layers: Sequence[int]) -> None:
         taps = tuple(int(i) for i in tap_layers)
@@ -99,6 +110,8 @@ class OrtTargetModel:
         b, t = input_ids.shape
         if logit_rows is None:
             logit_rows = torch.arange(t).expand(b, t)
+        if self.fused is not None and self._fits_fused(attn_mask, write_slots):
+            return self._call_fused(input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows)
         past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_mask": past_mask,
                  "tree_mask": tree_mask, "logit_rows": logit_rows, **cache_feeds(k_cache, v_cache)}
@@ -106,6 +119,34 @@ class OrtTargetModel:
         write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
         taps = out.get("taps") if self.tap_layers else None
         return out["logits"], taps
+
+
+    @staticmethod
+    def _fits_fused(attn_mask: torch.Tensor, write_slots: torch.Tensor) -> bool:
+        """Batch 1, new tokens in consecutive slots ending the window (GroupQueryAttention's layout)."""
+        if write_slots.shape[0] != 1:
+            return False
+        t, window = write_slots.shape[1], attn_mask.shape[-1]
+        start = window - t
+        return start >= 0 and bool((write_slots[0] == torch.arange(start, window, device=write_slots.device)).all())
+
+    def _call_fused(self, input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows):
+        t, total = input_ids.shape[1], attn_mask.shape[-1]
+        bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=attn_mask.device)
+        bias.masked_fill_(~attn_mask, float("-inf"))
+        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_bias": bias[:, None],
+                 "seqlens_k": torch.tensor([total - 1], dtype=torch.int32),
+                 "total_sequence_length": torch.tensor(total, dtype=torch.int32), "logit_rows": logit_rows,
+                 **cache_feeds(k_cache, v_cache)}
+        # present_* share the cache's memory: the graph writes the t new rows at slots total-t .. total-1
+        bound = {}
+        for i in range(k_cache.shape[0]):
+            bound[f"present_key_{i}"] = k_cache[i]
+            bound[f"present_value_{i}"] = v_cache[i]
+        wanted = ["logits", "taps"] if self.tap_layers else ["logits"]
+        out = self.fused.run(feeds, wanted, bound)
+        self.fused_calls += 1
+        return out["logits"], out.get("taps") if self.tap_layers else None
 
 
 class OrtEagle3Drafter:

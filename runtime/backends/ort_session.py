@@ -139,8 +139,10 @@ class OrtGraph:
                 return None
         return torch.empty(shape, dtype=_TORCH_DTYPES[spec["dtype"]], device=self.device)
 
-    def run(self, feeds: dict[str, torch.Tensor], outputs: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """Run the graph; `outputs` limits what is returned (the rest is still computed by ORT)."""
+    def run(self, feeds: dict[str, torch.Tensor], outputs: list[str] | None = None,
+            bound: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the graph; `outputs` limits what is returned (the rest is still computed by ORT);
+        `bound` gives outputs their memory (e.g. present_key_i bound to the cache it updates in place)."""
         binding = self.session.io_binding()
         keep = []  # contiguous copies must outlive the run
         for name in self.input_names:
@@ -156,7 +158,7 @@ class OrtGraph:
         results: dict[str, torch.Tensor] = {}
         unbound = []
         for name in self.output_names:
-            buffer = self._output_buffer(name, dims)
+            buffer = bound[name] if bound and name in bound else self._output_buffer(name, dims)
             if buffer is None:
                 binding.bind_output(name, self._device_type, self._device_id)
                 unbound.append(name)
@@ -178,3 +180,25 @@ class OrtGraph:
 def default_threads() -> int:
     """Physical cores ORT would use; reported by the bench (os.cpu_count counts logical CPUs)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class LazyGraph:
+    """An OrtGraph whose session is created on first use: an engine folder's portable target graph is
+    only needed for batches when the ORT-fused graph serves single streams (each holds the weights)."""
+
+    def __init__(self, path: Path, spec: dict[str, Any], options: SessionOptions) -> None:
+        self.path, self.spec, self.options = Path(path), spec, options
+        self.device = options.torch_device
+        if not self.path.is_file():
+            raise SpecrtError(f"graph file {self.path} is missing", "re-export the engine folder (specrt export ...)")
+        self._graph: OrtGraph | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._graph is not None
+
+    def run(self, feeds: dict[str, torch.Tensor], outputs: list[str] | None = None,
+            bound: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if self._graph is None:
+            self._graph = OrtGraph(self.path, self.spec, self.options)
+        return self._graph.run(feeds, outputs, bound)

@@ -1,0 +1,196 @@
+"""The ORT-fused target graph (specrt.export.ort_fused): same function as the torch target, K/V written
+in place, used for single streams; batches fall back to the portable graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _onnx_tiny import TARGET_CFG, make_drafters, make_target, write_hf_target
+from specrt.export.checkpoints.drafters import save_drafter
+from specrt.export.errors import SpecrtError
+from specrt.export.export import main as export_main
+from specrt.export.manifest import load_manifest
+from specrt.export.models.llama import LlamaModel
+from specrt.export.ort_fused import GRAPH_NAME, build_graph, export_fused_target, supports
+from specrt.runtime.backends.ort_models import OrtTargetModel
+from specrt.runtime.backends.ort_session import OrtGraph, SessionOptions
+from specrt.runtime.pipeline import Pipeline
+
+pytest.importorskip("onnxruntime")
+
+PROMPTS = [[5, 9, 23, 7], [3, 44, 12, 60, 8, 31, 2]]
+# GroupQueryAttention wants head sizes in multiples of 16: the shared tiny target has 8
+FUSED_CFG = TARGET_CFG.__class__(**{**TARGET_CFG.__dict__, "hidden_size": 64, "head_dim": 16})
+
+
+def make_fused_target(seed: int = 0) -> LlamaModel:
+    return make_target(FUSED_CFG, seed)
+
+
+def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-5) -> None:
+    """Equal up to float rounding relative to the tensor's scale (random tiny targets grow large
+    activations, where another summation order moves single elements by more than a fixed atol)."""
+    err = float((got - want).abs().max())
+    assert err <= rel * float(want.abs().max()) + 1e-6, f"max |diff| {err} for max |value| {float(want.abs().max())}"
+
+
+def _fused_model(target: LlamaModel, folder) -> OrtTargetModel:
+    graph = export_fused_target(target, folder)
+    spec = {"inputs": graph.inputs, "outputs": graph.outputs}
+    fused = OrtGraph(graph.path, spec, SessionOptions(threads=1))
+    # the portable graph is never reached by these batch-1 calls: a sentinel that fails if it is
+    return OrtTargetModel(_Unreachable(), target.config, target.tap_layers, torch.float32, fused)
+
+
+class _Unreachable:
+    device = torch.device("cpu")
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("a batch-1 call fell back to the portable graph")
+
+
+def test_prefill_and_tree_step_match_torch(tmp_path):
+    target = make_fused_target()
+    target.set_taps((0, 3, 6))
+    fused = _fused_model(target, tmp_path)
+    capacity = 40
+    k_ref, v_ref = target.new_cache(1, capacity)
+    k_ort, v_ort = fused.new_cache(1, capacity)
+    ids = torch.tensor([[5, 9, 23, 7, 11, 40, 2, 18, 33, 61]])
+    n = ids.shape[1]
+    pos = torch.arange(n)[None]
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))[None]
+    with torch.no_grad():
+        ref, ref_taps = target(ids, pos, causal, k_ref, v_ref, pos, torch.tensor([[n - 1]]))
+    got, got_taps = fused(ids, pos, causal, k_ort, v_ort, pos, torch.tensor([[n - 1]]))
+    assert_close_scaled(got, ref)
+    assert_close_scaled(got_taps, ref_taps)
+    # the graph wrote the prompt's K/V into the runtime's buffers, in place
+    torch.testing.assert_close(k_ort[:, :, :, :n], k_ref[:, :, :, :n], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_ort[:, :, :, :n], v_ref[:, :, :, :n], atol=1e-4, rtol=1e-4)
+    assert k_ort[:, :, :, n:].abs().max() == 0  # and nothing beyond them
+    # a tree step: anchor + children (parents -1, 0, 0, 1), positions by depth, ancestor mask
+    parents, depths = [-1, 0, 0, 1], [0, 1, 1, 2]
+    tree = torch.zeros(4, 4, dtype=torch.bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parents[j]
+    mask = torch.zeros(1, 4, n + 4, dtype=torch.bool)
+    mask[:, :, :n] = True
+    mask[0, :, n:] = tree
+    tree_ids = torch.tensor([[17, 4, 29, 50]])
+    tree_pos = torch.tensor([[n + d for d in depths]])
+    slots = torch.arange(n, n + 4)[None]
+    rows = torch.arange(4)[None]
+    with torch.no_grad():
+        ref, ref_taps = target(tree_ids, tree_pos, mask, k_ref, v_ref, slots, rows)
+    got, got_taps = fused(tree_ids, tree_pos, mask, k_ort, v_ort, slots, rows)
+    assert_close_scaled(got, ref)
+    assert_close_scaled(got_taps, ref_taps)
+    torch.testing.assert_close(k_ort[:, :, :, : n + 4], k_ref[:, :, :, : n + 4], atol=1e-4, rtol=1e-4)
+    assert fused.fused_calls == 2
+
+
+def test_a_broken_tree_mask_changes_the_result(tmp_path):
+    """The bias really carries the tree: hiding an ancestor changes that node's logits."""
+    target = make_fused_target()
+    fused = _fused_model(target, tmp_path)
+    k, v = fused.new_cache(1, 16)
+    ids = torch.tensor([[5, 9, 23]])
+    full = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    slots = torch.arange(3)[None]
+    a, _ = fused(ids, slots, full, k, v, slots)
+    k2, v2 = fused.new_cache(1, 16)
+    broken = full.clone()
+    broken[0, 2, 1] = False
+    b, _ = fused(ids, slots, broken, k2, v2, slots)
+    torch.testing.assert_close(a[:, :2], b[:, :2])
+    assert (a[0, 2] - b[0, 2]).abs().max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    target = make_fused_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    write_hf_target(root / "tiny", target)
+    drafter = make_drafters(target)["eagle3"]
+    save_drafter(drafter, root / "ckpt", dtype=torch.float32)
+    base = ["--drafter", "eagle3", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt"), "--quiet"]
+    assert export_main(base + ["--out", str(root / "with")]) == 0
+    assert export_main(base + ["--out", str(root / "without"), "--no-ort-fused"]) == 0
+    return root
+
+
+def test_export_writes_the_fused_graph_and_marks_it_ort_only(engine_folders):
+    data = load_manifest(engine_folders / "with").data
+    entry = data["graphs"][GRAPH_NAME]
+    assert entry["runtime"] == "onnxruntime" and data["graphs"]["target"]["runtime"] == "any"
+    assert "target_ort" not in data["drafter"]["graphs"].values()
+    names = {i["name"] for i in entry["inputs"]}
+    assert {"attention_bias", "seqlens_k", "total_sequence_length", "past_key_0"} <= names
+    assert GRAPH_NAME not in load_manifest(engine_folders / "without").data["graphs"]
+
+
+def test_single_streams_run_fused_and_batches_the_portable_graph(engine_folders):
+    ref = Pipeline.from_checkpoint(engine_folders / "tiny", drafter="eagle3", drafter_ckpt=engine_folders / "ckpt")
+    pipe = Pipeline.from_engines(engine_folders / "with", threads=1)
+    model = pipe.model
+    assert model.fused is not None and not model.graph.loaded
+    for prompt in PROMPTS:
+        want = ref.generate_ids([prompt], 20, speculative=False).tokens
+        assert pipe.generate_ids([prompt], 20, speculative=False).tokens == want
+        assert pipe.generate_ids([prompt], 20).tokens == want  # speculative, verified on the fused graph
+    assert model.fused_calls > 0 and not model.graph.loaded
+    batched = pipe.generate_ids(PROMPTS, 20, speculative=False).tokens
+    assert model.graph.loaded
+    assert batched == ref.generate_ids(PROMPTS, 20, speculative=False).tokens
+
+
+def test_folder_without_the_fused_graph_runs_portable(engine_folders):
+    pipe = Pipeline.from_engines(engine_folders / "without", threads=1)
+    assert pipe.model.fused is None
+    got = pipe.generate_ids([PROMPTS[0]], 12).tokens
+    want = Pipeline.from_engines(engine_folders / "with", threads=1).generate_ids([PROMPTS[0]], 12).tokens
+    assert got == want
+
+
+def test_qk_norm_targets_are_refused_with_the_way_out(tmp_path):
+    target = LlamaModel(FUSED_CFG.__class__(**{**FUSED_CFG.__dict__, "qk_norm": True}))
+    assert "q/k norms" in supports(target)
+    assert "multiple of 16" in supports(make_target())  # the shared tiny target: head size 8
+    with pytest.raises(SpecrtError, match="--no-ort-fused"):
+        build_graph(target)
+
+
+def test_gguf_blocks_of_a_fused_projection_are_found_part_by_part():
+    """q|k|v concatenated along N: each part's GGUF blocks are looked up by its own hash."""
+    from onnx import helper
+
+    from specrt.export.gguf_quant import GgufBlocks, _concatenated_blocks, _weight_key, dequantize_blocks
+
+    rng = np.random.default_rng(0)
+
+    def blocks(rows, cols, name):
+        codes = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+        scales = rng.random((rows, cols // 32)).astype(np.float32)
+        minima = -rng.random((rows, cols // 32)).astype(np.float32)
+        return GgufBlocks(name, "Q4_1", codes, scales, minima, 4)
+
+    parts = [blocks(8, 64, "q"), blocks(4, 64, "k"), blocks(4, 64, "v")]
+    table = {_weight_key(dequantize_blocks(p).T): p for p in parts}
+    weight = np.concatenate([dequantize_blocks(p).T for p in parts], axis=1)  # [K, N] as the graph stores it
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    assert _concatenated_blocks(node, weight, table) is None  # no part widths recorded: not a fused node
+    entry = node.metadata_props.add()
+    entry.key, entry.value = "specrt.parts", "8,4,4"
+    found = _concatenated_blocks(node, weight, table)
+    assert found is not None and found.codes.shape == (16, 64)
+    np.testing.assert_array_equal(dequantize_blocks(found).T, weight)
+    entry.value = "8,8"
+    assert _concatenated_blocks(node, weight, table) is None  # wrong split: parts unknown
