@@ -194,3 +194,34 @@ def test_gguf_blocks_of_a_fused_projection_are_found_part_by_part():
     np.testing.assert_array_equal(dequantize_blocks(found).T, weight)
     entry.value = "8,8"
     assert _concatenated_blocks(node, weight, table) is None  # wrong split: parts unknown
+
+
+def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders):
+    """--weights int4 (accuracy level 4): one-row calls run as two rows, EAGLE-3 drafts chains, and
+    speculative greedy output equals plain greedy output on the same engine."""
+    root = engine_folders
+    out = root / "int4"
+    assert export_main(["--drafter", "eagle3", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt"),
+                        "--out", str(out), "--weights", "int4", "--quant-block", "16", "--quiet"]) == 0
+    pipe = Pipeline.from_engines(out, threads=1)
+    model = pipe.model
+    assert model.two_row_decode and pipe.proposer.top_k == 1
+    assert not Pipeline.from_engines(root / "with", threads=1).model.two_row_decode  # fp32: not needed
+    # logits of the last token: T=1 steps after a prompt == one multi-row call over the same tokens
+    ids = [5, 9, 23, 7, 11, 40, 2, 18, 33, 61]
+
+    def last_logits(step: int) -> torch.Tensor:
+        k, v = model.new_cache(1, 32)
+        pos, out = 0, None
+        while pos < len(ids):
+            t = 4 if pos == 0 else min(step, len(ids) - pos)
+            x, p = torch.tensor([ids[pos:pos + t]]), torch.arange(pos, pos + t)[None]
+            mask = torch.ones(1, t, pos + t, dtype=torch.bool)
+            mask[0, :, pos:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+            out, _ = model(x, p, mask, k, v, p, torch.tensor([[t - 1]]))
+            pos += t
+        return out[0, 0]
+
+    assert torch.equal(last_logits(1), last_logits(100))
+    for prompt in PROMPTS:
+        assert pipe.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24, speculative=False).tokens

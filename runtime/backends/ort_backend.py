@@ -55,7 +55,26 @@ class OrtEngines:
 
         if self.drafter is None:
             return None
-        return proposer_for(self.drafter_kind, self.drafter, options or manifest_draft_defaults(self.manifest.data))
+        options = options or manifest_draft_defaults(self.manifest.data)
+        if self.drafter_kind == "eagle3" and self.target.two_row_decode and options.tree_top_k > 1:
+            options = exact_chain_options(options)
+        return proposer_for(self.drafter_kind, self.drafter, options)
+
+
+def exact_chain_options(options):
+    """EAGLE-3 as a chain (top-1 per depth) on engines with int8 activations (MatMulNBits accuracy
+    level 4). There a row's logits are bitwise reproducible only when the row sees its context in the
+    layout plain decoding gives it (committed slots, then itself): a tree row that skips a sibling's
+    slot sums its attention in another order, the int8 activation rounding amplifies that to ~1
+    logit, and greedy output would drift from plain decoding (measured: 3/24 identical with a 2/2/4
+    tree, 3/3 with chains, docs/numbers.md). Chains keep speculation exact."""
+    import dataclasses
+    import logging
+
+    logging.getLogger("specrt").warning(
+        "int8-activation engine: EAGLE-3 drafts a chain (tree top-k %d -> 1) so the output stays identical "
+        "to plain decoding", options.tree_top_k)
+    return dataclasses.replace(options, tree_top_k=1, tree_tokens=options.tree_depth + 1)
 
 
 def manifest_draft_defaults(data: dict[str, Any]):
@@ -106,6 +125,8 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
         fused = graph(FUSED_GRAPH)
     portable = LazyGraph(manifest.graph_path("target"), graphs["target"], options) if fused else graph("target")
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
+    weights = (data.get("export") or {}).get("weights") or {}
+    target.two_row_decode = bool(weights.get("bits")) and int(weights.get("accuracy_level", 0)) == 4
     drafter, kind = None, manifest.drafter_kind
     if with_drafter and kind:
         section = data["drafter"]

@@ -90,6 +90,9 @@ class OrtTargetModel:
         self.device = graph.device
         self.dtype = cache_dtype
         self.fused_calls = 0  # how many forwards took the fused graph (tests, diagnostics)
+        # one-row calls run as two rows (see _call_fused): on for int8-activation engines, where it is
+        # what makes speculative output equal plain output; fp32 engines agree without it (measured)
+        self.two_row_decode = False
 
     def set_taps(self, tap_layers: Sequence[int]) -> None:
         taps = tuple(int(i) for i in tap_layers)
@@ -132,6 +135,20 @@ class OrtTargetModel:
 
     def _call_fused(self, input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows):
         t, total = input_ids.shape[1], attn_mask.shape[-1]
+        two_rows = t == 1 and self.two_row_decode and total < k_cache.shape[-2]
+        if two_rows:
+            # one-row calls take other kernel paths (GroupQueryAttention's decode loop, GEMV) whose
+            # rounding differs from multi-row calls; with int8 activations (MatMulNBits accuracy
+            # level 4) those 1e-6 differences flip quantization steps and move logits by ~1, so
+            # plain decoding would not reproduce a verify step. A second row (a copy of the token,
+            # seeing itself; it writes one spare slot that the next call overwrites) keeps every
+            # call on the multi-row path, where a row's result is bitwise independent of the others.
+            input_ids = input_ids.repeat(1, 2)
+            position_ids = position_ids.repeat(1, 2)
+            padded = torch.zeros(1, 2, total + 1, dtype=torch.bool, device=attn_mask.device)
+            padded[:, :, :total] = attn_mask
+            padded[:, 1, total] = True
+            attn_mask, t, total = padded, 2, total + 1
         bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=attn_mask.device)
         bias.masked_fill_(~attn_mask, float("-inf"))
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_bias": bias[:, None],
@@ -146,7 +163,10 @@ class OrtTargetModel:
         wanted = ["logits", "taps"] if self.tap_layers else ["logits"]
         out = self.fused.run(feeds, wanted, bound)
         self.fused_calls += 1
-        return out["logits"], out.get("taps") if self.tap_layers else None
+        taps = out.get("taps") if self.tap_layers else None
+        if taps is not None and two_rows:
+            taps = taps[:, :1]  # the copy row's taps are not the caller's
+        return out["logits"], taps
 
 
 class OrtEagle3Drafter:
