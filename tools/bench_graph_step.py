@@ -1,0 +1,72 @@
+"""Milliseconds per target forward, by number of new tokens, for an engine folder's target graphs.
+
+    python -m specrt.tools.bench_graph_step --engines engines/a,engines/b --tokens 1,2,4,8,16 --context 300
+
+For each folder: the portable graph (`target`) and, when the folder has it, the ORT-fused graph
+(`target_ort`), both called through the runtime's `OrtTargetModel` (IO binding and mask building
+included), interleaved over repeats so machine noise hits every configuration alike. This is the
+cost curve the drafters' verify sizes are chosen against: on a CPU a verify step of T tokens costs
+more than a decode step as soon as the weights stop dominating (int4: early).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specrt.runtime.backends.ort_backend import load_engines
+from specrt.runtime.backends.ort_session import SessionOptions
+
+
+def step_ms(model, tokens: int, context: int, repeats: int) -> float:
+    k, v = model.new_cache(1, context + tokens + 8)
+    ids = torch.ones(1, tokens, dtype=torch.long)
+    pos = torch.arange(context, context + tokens)[None]
+    mask = torch.ones(1, tokens, context + tokens, dtype=torch.bool)
+    mask[0, :, context:] = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool))
+    for _ in range(2):
+        model(ids, pos, mask, k, v, pos)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(ids, pos, mask, k, v, pos)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", required=True, help="comma list of engine folders")
+    p.add_argument("--tokens", default="1,2,4,8,16", help="new tokens per call")
+    p.add_argument("--context", type=int, default=300, help="committed tokens before the call")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    configs = {}
+    for folder in args.engines.split(","):
+        name = folder.rstrip("/").rsplit("/", 1)[-1]
+        for fused in (False, True):
+            engines = load_engines(folder, SessionOptions(threads=args.threads), with_drafter=False, use_fused=fused)
+            if fused and engines.target.fused is None:
+                continue
+            configs[f"{name} ({'target_ort' if fused else 'target'})"] = engines.target
+    results: dict[str, dict[int, list[float]]] = {c: {t: [] for t in tokens} for c in configs}
+    for _ in range(args.rounds):
+        for label, model in configs.items():
+            for t in tokens:
+                results[label][t].append(step_ms(model, t, args.context, args.repeats))
+    print(f"ms per target forward at context {args.context}, {args.threads} threads (median of {args.rounds} rounds)\n")
+    print("| graph | " + " | ".join(f"T={t}" for t in tokens) + " |")
+    print("|---|" + "---|" * len(tokens))
+    for label, row in results.items():
+        print(f"| {label} | " + " | ".join(f"{statistics.median(row[t]):.1f}" for t in tokens) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
