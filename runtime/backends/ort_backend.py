@@ -126,7 +126,10 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     portable = LazyGraph(manifest.graph_path("target"), graphs["target"], options) if fused else graph("target")
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
     weights = (data.get("export") or {}).get("weights") or {}
-    target.two_row_decode = bool(weights.get("bits")) and int(weights.get("accuracy_level", 0)) == 4
+    int8_activations = bool(weights.get("bits")) and int(weights.get("accuracy_level", 0)) == 4
+    # two-row decoding is what lets plain decoding reproduce speculative output on such engines; with no
+    # drafter loaded there is nothing to reproduce, and one-row calls are ~10% faster (docs/numbers.md)
+    target.two_row_decode = int8_activations and with_drafter and manifest.drafter_kind is not None
     drafter, kind = None, manifest.drafter_kind
     if with_drafter and kind:
         section = data["drafter"]

@@ -215,7 +215,7 @@ class TrtTargetModel(OrtTargetModel):
 
     def __init__(self, graph: TrtGraph, config: Any, tap_layers: list[int], cache_dtype: torch.dtype,
                  capacity: int, max_batch: int) -> None:
-        super().__init__(graph, config, tap_layers, cache_dtype)  # type: ignore[arg-type]
+        super().__init__(graph, config, tap_layers, cache_dtype)
         self.trt_graph = graph
         self.max_capacity = int(capacity)
         self.max_batch = int(max_batch)
