@@ -103,6 +103,10 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     folder = Path(folder)
     manifest = load_manifest(folder, verify_checksums=verify_checksums)
     data = manifest.data
+    if options.spinning is None:
+        import dataclasses
+
+        options = dataclasses.replace(options, spinning=not (with_drafter and manifest.drafter_kind is not None))
     dtype_name = (data.get("export") or {}).get("dtype", "float32")
     if dtype_name not in _CACHE_DTYPES:
         raise SpecrtError(f"{folder}: weights of dtype {dtype_name!r} are not supported by the ORT backend",
