@@ -227,3 +227,12 @@ def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders
     assert torch.equal(last_logits(1), last_logits(100))
     for prompt in PROMPTS:
         assert pipe.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24, speculative=False).tokens
+
+
+def test_threads_spin_only_without_a_drafter(engine_folders):
+    from specrt.runtime.backends.ort_backend import load_engines
+
+    assert load_engines(engine_folders / "with", SessionOptions(threads=1)).options.spinning is False
+    assert load_engines(engine_folders / "with", SessionOptions(threads=1), with_drafter=False).options.spinning is True
+    forced = load_engines(engine_folders / "with", SessionOptions(threads=1, spinning=False), with_drafter=False)
+    assert forced.options.spinning is False  # an explicit choice is kept
