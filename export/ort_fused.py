@@ -52,8 +52,20 @@ MS_DOMAIN = "com.microsoft"
 _ELEM = {torch.float32: 1, torch.float16: 10}
 
 
+MIN_ORT = (1, 22)  # GroupQueryAttention with position_ids and attention_bias on the CPU provider
+
+
 def supports(model: LlamaModel) -> str | None:
-    """None when the fused graph can express this target, else the reason it cannot."""
+    """None when the fused graph can express this target (with this onnxruntime), else the reason."""
+    try:
+        import onnxruntime as ort
+
+        version = tuple(int(x) for x in ort.__version__.split(".")[:2])
+    except Exception:  # no onnxruntime, or an unparsable dev version: let the export's own load check decide
+        version = MIN_ORT
+    if version < MIN_ORT:
+        return (f"onnxruntime {ort.__version__} lacks GroupQueryAttention's position_ids/attention_bias inputs "
+                f"(needs >= {MIN_ORT[0]}.{MIN_ORT[1]})")
     if model.config.qk_norm:
         return "q/k norms (Qwen3) have no place in GroupQueryAttention's CPU kernel"
     if model.config.head_dim % 16:
