@@ -479,6 +479,23 @@ def export_graph(
                          [f"specrt::{op}" for op in custom_ops], io_in, io_out)
 
 
+def save_onnx(model, path: Path, external_data: bool) -> Path | None:
+    """Save an onnx.ModelProto as path (+ path.data when external_data), replacing what was there;
+    returns the external-data path or None."""
+    import onnx
+
+    path = Path(path)
+    data_path = path.with_name(f"{path.name}.data")
+    for stale in (path, data_path):
+        stale.unlink(missing_ok=True)
+    if not external_data:
+        onnx.save_model(model, str(path))
+        return None
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_path.name, size_threshold=1024)
+    return data_path
+
+
 def validate_graph(path: Path) -> None:
     """check_model(full_check), strict shape inference, and the op-domain audit; raises on failure."""
     import onnx
@@ -521,5 +538,5 @@ def dtype_from_name(name: str) -> torch.dtype:
 __all__ = [
     "GraphSpec", "ExportedGraph", "TargetGraph", "Eagle3FcGraph", "Eagle3StepGraph", "BlockIngestGraph",
     "DFlashBlockGraph", "DSparkBlockGraph", "attend", "target_spec", "drafter_specs", "graph_specs",
-    "export_graph", "validate_graph", "DEFAULT_OPSET", "EXAMPLE_DIMS",
+    "export_graph", "validate_graph", "save_onnx", "DEFAULT_OPSET", "EXAMPLE_DIMS",
 ]

@@ -45,7 +45,7 @@ import torch
 
 from specrt.export.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
-from specrt.export.onnx_export import EXTERNAL_DATA_THRESHOLD, ExportedGraph
+from specrt.export.onnx_export import _ONNX_DTYPE_NAMES, EXTERNAL_DATA_THRESHOLD, ExportedGraph, save_onnx
 
 GRAPH_NAME = "target_ort"
 MS_DOMAIN = "com.microsoft"
@@ -252,27 +252,13 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
 
 
 def _io(values) -> list[dict]:
-    names = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
+    """Manifest entries of onnx ValueInfoProtos (onnx_export._io_description does this for onnx_ir)."""
     out = []
     for v in values:
         t = v.type.tensor_type
-        out.append({"name": v.name, "dtype": names.get(t.elem_type, str(t.elem_type)),
+        out.append({"name": v.name, "dtype": _ONNX_DTYPE_NAMES.get(t.elem_type, str(t.elem_type)),
                     "shape": [d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim]})
     return out
-
-
-def save_model(model_proto, path: Path, external_data: bool) -> Path | None:
-    import onnx
-
-    data_path = path.with_name(f"{path.name}.data") if external_data else None
-    for stale in (path, path.with_name(f"{path.name}.data")):
-        stale.unlink(missing_ok=True)
-    if data_path is not None:
-        onnx.save_model(model_proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_path.name, size_threshold=1024)
-    else:
-        onnx.save_model(model_proto, str(path))
-    return data_path
 
 
 def validate(path: Path) -> None:
@@ -297,7 +283,7 @@ def export_fused_target(model: LlamaModel, folder: Path, dtype: torch.dtype = to
     use_external = external_data == "always" or (external_data == "auto" and weight_bytes > EXTERNAL_DATA_THRESHOLD)
     path = Path(folder) / f"{GRAPH_NAME}.onnx"
     inputs, outputs = _io(proto.graph.input), _io(proto.graph.output)
-    data_path = save_model(proto, path, use_external)
+    data_path = save_onnx(proto, path, use_external)
     del proto
     validate(path)
     return ExportedGraph(GRAPH_NAME, "target forward on ONNX Runtime contrib ops (single stream; see "

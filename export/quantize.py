@@ -95,6 +95,8 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    from specrt.export.onnx_export import save_onnx
+
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every skipped node
 
     path = Path(path)
@@ -117,13 +119,6 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
     quantized = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
     if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all
         raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
-    data_name = f"{path.name}.data"
-    for stale in (path, path.with_name(data_name)):
-        stale.unlink(missing_ok=True)
-    if external_data:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name, size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
+    save_onnx(model, path, external_data)
     return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads}
 

@@ -35,6 +35,15 @@ def make_target(cfg: LlamaConfig = TARGET_CFG, seed: int = 0) -> LlamaModel:
     return randomize(LlamaModel(cfg), seed)
 
 
+def make_sharp_target(cfg: LlamaConfig = TARGET_CFG, seed: int = 0) -> LlamaModel:
+    """make_target with a 3x LM head: sharper distributions, so greedy paths have no near-ties that
+    another backend's float rounding could flip (the engine tests compare tokens across backends)."""
+    target = make_target(cfg, seed)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    return target
+
+
 def make_drafters(target: LlamaModel, seed: int = 1) -> dict[str, torch.nn.Module]:
     cfg = target.config
     eagle = Eagle3Drafter(Eagle3Config.for_target(cfg, draft_vocab_size=40, intermediate_size=40))

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from _onnx_tiny import make_drafters, make_target, write_hf_target
+from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.errors import SpecrtError
 from specrt.export.export import main as export_main
@@ -25,9 +25,7 @@ PROMPTS = [[5, 9, 23, 7], [3, 44, 12, 60, 8, 31, 2]]
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
-    target = make_target()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)
+    target = make_sharp_target()
     drafter = make_drafters(target)["dspark"]
     write_hf_target(root / "tiny", target)
     save_drafter(drafter, root / "ckpt", dtype=torch.float32)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from _onnx_tiny import make_drafters, make_target, write_hf_target
+from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.runtime.pipeline import Pipeline
 from specrt.runtime.scheduler import SpsTable
@@ -32,9 +32,7 @@ SPS = SpsTable(list(range(1, 129)), [1.0 / (1.0 + 0.03 * b) for b in range(1, 12
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    target = make_target()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)
+    target = make_sharp_target()
     write_hf_target(root / "tiny", target)
     save_drafter(make_drafters(target)["dspark"], root / "ckpt", dtype=torch.float32)
     served = Pipeline.from_checkpoint(root / "tiny", drafter="dspark", drafter_ckpt=root / "ckpt")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _onnx_tiny import make_drafters, make_target, write_hf_target
+from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.export import main as export_main
 from specrt.runtime.cli import main as cli_main
@@ -37,9 +37,7 @@ ARRIVALS = {0: [0, 1], 1: [2], 4: [3, 4]}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-ort")
-    target = make_target()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(3.0)
+    target = make_sharp_target()
     drafters = make_drafters(target)
     write_hf_target(root / "tiny", target)
     out = {"root": root}

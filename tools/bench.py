@@ -105,22 +105,19 @@ def build_pipelines(args: argparse.Namespace):
                               "export engines first: specrt export --drafter KIND --out engines/NAME")
         plains: dict[str, Pipeline] = {}
         drafted: dict[str, Pipeline] = {}
-        target_only: dict[str, str] = {}  # plain label -> folder name, while no drafted folder claimed it
+        manifests = {f: load_manifest(f, verify_checksums=False).data for f in folders}
+        # weight formats that have a drafted folder: "plain@W" is then that folder's plain decoding, the
+        # reference its drafter's output must equal. A target-only folder of the same weights may decode
+        # with other kernels (one-row calls on int8-activation engines): it is timed under its own name.
+        drafted_formats = {weights_suffix(d) for d in manifests.values() if d.get("drafter")}
         for folder in folders:
-            data = load_manifest(folder, verify_checksums=False).data
+            data = manifests[folder]
             pipe = Pipeline.from_engines(folder, args.device, args.threads,
                                          draft_options=draft_options(args, manifest_draft_defaults(data)))
             suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
-            # "plain@W" is the reference of the drafters on W-weights: taken from a drafted folder when
-            # there is one. A target-only folder's plain decoding may use other kernels (one-row calls
-            # on int8-activation engines), so beside a drafted folder it is timed under its own name.
             label = "plain" + suffix
-            if label in target_only and pipe.proposer is not None:
-                plains[f"{label} ({target_only.pop(label)})"] = plains.pop(label)
-            if label in plains and pipe.proposer is None:
+            if pipe.proposer is None and (label in plains or suffix in drafted_formats):
                 label += f" ({Path(folder).name})"
-            elif label not in plains and pipe.proposer is None:
-                target_only[label] = Path(folder).name
             plains.setdefault(label, pipe.with_proposer(None))
             if pipe.proposer is not None:
                 label = pipe.proposer.name + suffix
@@ -160,7 +157,6 @@ def _batched(fn, prompts, batch_size):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm import tqdm
 
     from specrt.runtime.sampling import SamplingParams
     from specrt.tools.datasets import mtbench_questions

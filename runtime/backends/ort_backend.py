@@ -103,10 +103,11 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     folder = Path(folder)
     manifest = load_manifest(folder, verify_checksums=verify_checksums)
     data = manifest.data
+    drafting = with_drafter and manifest.drafter_kind is not None
     if options.spinning is None:
         import dataclasses
 
-        options = dataclasses.replace(options, spinning=not (with_drafter and manifest.drafter_kind is not None))
+        options = dataclasses.replace(options, spinning=not drafting)
     dtype_name = (data.get("export") or {}).get("dtype", "float32")
     if dtype_name not in _CACHE_DTYPES:
         raise SpecrtError(f"{folder}: weights of dtype {dtype_name!r} are not supported by the ORT backend",
@@ -131,11 +132,13 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
     weights = (data.get("export") or {}).get("weights") or {}
     int8_activations = bool(weights.get("bits")) and int(weights.get("accuracy_level", 0)) == 4
-    # two-row decoding is what lets plain decoding reproduce speculative output on such engines; with no
-    # drafter loaded there is nothing to reproduce, and one-row calls are ~10% faster (docs/numbers.md)
-    target.two_row_decode = int8_activations and with_drafter and manifest.drafter_kind is not None
+    # two-row decoding is what lets plain decoding reproduce speculative output on such engines, on the
+    # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
+    # how the context was fed whatever the row count); with no drafter loaded there is nothing to
+    # reproduce, and one-row calls are ~10% faster (docs/numbers.md)
+    target.two_row_decode = int8_activations and drafting and fused is not None
     drafter, kind = None, manifest.drafter_kind
-    if with_drafter and kind:
+    if drafting:
         section = data["drafter"]
         cfg = manifest.drafter_config
         roles = section.get("graphs", {})

@@ -90,7 +90,8 @@ class OrtTargetModel:
         self.device = graph.device
         self.dtype = cache_dtype
         self.fused_calls = 0  # how many forwards took the fused graph (tests, diagnostics)
-        # one-row calls run as two rows (see _call_fused): on for int8-activation engines, where it is
+        self._views = None  # (cache key, past_* feeds, present_* buffers): see _cache_views
+        # one-row calls run as two rows (see with_copy_row): on for int8-activation engines, where it is
         # what makes speculative output equal plain output; fp32 engines agree without it (measured)
         self.two_row_decode = False
 
@@ -113,16 +114,37 @@ class OrtTargetModel:
         b, t = input_ids.shape
         if logit_rows is None:
             logit_rows = torch.arange(t).expand(b, t)
+        copy_row = self.two_row_decode and b == 1 and t == 1 and attn_mask.shape[-1] < k_cache.shape[-2]
+        if copy_row:
+            input_ids, position_ids, attn_mask, write_slots = with_copy_row(input_ids, position_ids, attn_mask,
+                                                                            write_slots)
         if self.fused is not None and self._fits_fused(attn_mask, write_slots):
-            return self._call_fused(input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows)
+            logits, taps = self._call_fused(input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows)
+        else:
+            logits, taps = self._call_portable(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots,
+                                               logit_rows)
+        if taps is not None and copy_row:
+            taps = taps[:, :1]  # the copy row's taps are not the caller's
+        return logits, taps
+
+    def _cache_views(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[dict, dict]:
+        """past_* feeds and present_* output buffers of these caches, built once per cache (every step of
+        an engine passes the same buffers) rather than 4 x layers tensor views per call."""
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape))
+        if self._views is None or self._views[0] != key:
+            feeds = cache_feeds(k_cache, v_cache)
+            bound = {name.replace("past_", "present_", 1): view for name, view in feeds.items()}
+            self._views = (key, feeds, bound)
+        return self._views[1], self._views[2]
+
+    def _call_portable(self, input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows):
         past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "past_mask": past_mask,
-                 "tree_mask": tree_mask, "logit_rows": logit_rows, **cache_feeds(k_cache, v_cache)}
+                 "tree_mask": tree_mask, "logit_rows": logit_rows, **self._cache_views(k_cache, v_cache)[0]}
         out = self.graph.run(feeds)
         write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
         taps = out.get("taps") if self.tap_layers else None
         return out["logits"], taps
-
 
     @staticmethod
     def _fits_fused(attn_mask: torch.Tensor, write_slots: torch.Tensor) -> bool:
@@ -134,39 +156,37 @@ class OrtTargetModel:
         return start >= 0 and bool((write_slots[0] == torch.arange(start, window, device=write_slots.device)).all())
 
     def _call_fused(self, input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows):
-        t, total = input_ids.shape[1], attn_mask.shape[-1]
-        two_rows = t == 1 and self.two_row_decode and total < k_cache.shape[-2]
-        if two_rows:
-            # one-row calls take other kernel paths (GroupQueryAttention's decode loop, GEMV) whose
-            # rounding differs from multi-row calls; with int8 activations (MatMulNBits accuracy
-            # level 4) those 1e-6 differences flip quantization steps and move logits by ~1, so
-            # plain decoding would not reproduce a verify step. A second row (a copy of the token,
-            # seeing itself; it writes one spare slot that the next call overwrites) keeps every
-            # call on the multi-row path, where a row's result is bitwise independent of the others.
-            input_ids = input_ids.repeat(1, 2)
-            position_ids = position_ids.repeat(1, 2)
-            padded = torch.zeros(1, 2, total + 1, dtype=torch.bool, device=attn_mask.device)
-            padded[:, :, :total] = attn_mask
-            padded[:, 1, total] = True
-            attn_mask, t, total = padded, 2, total + 1
+        total = attn_mask.shape[-1]
         bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=attn_mask.device)
         bias.masked_fill_(~attn_mask, float("-inf"))
+        caches, present = self._cache_views(k_cache, v_cache)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_bias": bias[:, None],
                  "seqlens_k": torch.tensor([total - 1], dtype=torch.int32),
                  "total_sequence_length": torch.tensor(total, dtype=torch.int32), "logit_rows": logit_rows,
-                 **cache_feeds(k_cache, v_cache)}
+                 **caches}
         # present_* share the cache's memory: the graph writes the t new rows at slots total-t .. total-1
-        bound = {}
-        for i in range(k_cache.shape[0]):
-            bound[f"present_key_{i}"] = k_cache[i]
-            bound[f"present_value_{i}"] = v_cache[i]
         wanted = ["logits", "taps"] if self.tap_layers else ["logits"]
-        out = self.fused.run(feeds, wanted, bound)
+        out = self.fused.run(feeds, wanted, present)
         self.fused_calls += 1
-        taps = out.get("taps") if self.tap_layers else None
-        if taps is not None and two_rows:
-            taps = taps[:, :1]  # the copy row's taps are not the caller's
-        return out["logits"], taps
+        return out["logits"], out.get("taps") if self.tap_layers else None
+
+
+def with_copy_row(input_ids, position_ids, attn_mask, write_slots):
+    """A one-token call as two rows: the token and a copy that sees only itself, written to the next
+    (spare) slot, which the following call overwrites.
+
+    Why (`OrtTargetModel.two_row_decode`, on for int8-activation engines with a drafter): one-row calls
+    take other kernel paths (GroupQueryAttention's decode loop, GEMV) whose rounding differs from
+    multi-row calls by ~1e-6; MatMulNBits' int8 activation rounding (accuracy level 4) amplifies that
+    to ~1 logit over the layers, so plain decoding would not reproduce a verify step. With a second
+    row every call takes the multi-row path, where a row's result does not depend on the other rows.
+    """
+    window = attn_mask.shape[-1]
+    mask = torch.zeros(1, 2, window + 1, dtype=torch.bool, device=attn_mask.device)
+    mask[:, :, :window] = attn_mask
+    mask[:, 1, window] = True
+    slots = torch.cat([write_slots, torch.full_like(write_slots, window)], dim=1)
+    return input_ids.repeat(1, 2), position_ids.repeat(1, 2), mask, slots
 
 
 class OrtEagle3Drafter:
