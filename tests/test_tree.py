@@ -267,3 +267,17 @@ def test_build_dynamic_tree_checks_expand_output():
         build_dynamic_tree(torch.zeros(1, 5), lambda f, pool: torch.zeros(len(f), 5), 2, 2, 5)
     with pytest.raises(ValueError):
         build_dynamic_tree(torch.zeros(5), lambda f, pool: torch.zeros(len(f), 5), 0, 2, 5)
+
+
+def test_top_k_stable_equals_a_stable_sort_with_ties():
+    from specrt.runtime.tree import _top_k_stable
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (6, 40), generator=gen).double()  # many ties
+    scores[0, :] = float("-inf")
+    scores[0, 7] = 0.0  # fewer finite entries than k: -inf ties still go by index
+    for k in (1, 3, 8):
+        vals, idx = _top_k_stable(scores, k)
+        ref = torch.sort(scores, dim=-1, descending=True, stable=True)
+        assert torch.equal(idx, ref.indices[:, :k])
+        assert torch.equal(vals, ref.values[:, :k])
