@@ -31,7 +31,7 @@ def tiny_target(vocab: int = VOCAB, seed: int = 0) -> LlamaModel:
     return model
 
 
-def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Proposer:
+def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1, top_k: int = 3) -> Eagle3Proposer:
     torch.manual_seed(seed)
     draft_vocab = draft_vocab or target.config.vocab_size
     drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab)).eval()
@@ -41,7 +41,7 @@ def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1) ->
         drafter.t2d.zero_()
         drafter.t2d[chosen] = True
     drafter.bind_target_embedding(target.embed_tokens)
-    return Eagle3Proposer(drafter, top_k=3, depth=4, total_tokens=10)
+    return Eagle3Proposer(drafter, top_k=top_k, depth=4, total_tokens=10)
 
 
 def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0, max_drafts: int | None = None) -> BlockProposer:
@@ -109,8 +109,8 @@ def plain(target, prompts, n, sampling=SamplingParams()):
 @pytest.mark.parametrize("make", [
     lambda t: eagle3(t), lambda t: eagle3(t, draft_vocab=40), lambda t: block(t, "dflash"),
     lambda t: block(t, "dspark"), lambda t: block(t, "dspark", threshold=0.2),
-    lambda t: block(t, "dflash", threshold=0.05, max_drafts=2),
-], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped"])
+    lambda t: block(t, "dflash", threshold=0.05, max_drafts=2), lambda t: eagle3(t, draft_vocab=40, top_k=1),
+], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped", "eagle3-chain"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batch3"])
 def test_greedy_equals_plain_decoding(target, make, batched):
     proposer = make(target)
@@ -123,6 +123,25 @@ def test_greedy_equals_plain_decoding(target, make, batched):
             got = [generate_speculative(TorchTargetEngine(target, 128), proposer, [p], n, SamplingParams()).tokens[0]
                    for p in PROMPTS]
         assert got == expected, n
+
+
+def test_eagle3_chain_path_equals_the_tree_builder_at_top_k_1(target):
+    """The top_k == 1 fast path must give the drafts and survivals build_dynamic_tree gives."""
+    proposer = eagle3(target, draft_vocab=40, top_k=1)
+    proposer.reset(1, 128)
+    prompt = PROMPTS[0]
+    engine = TorchTargetEngine(target, 128)
+    engine.set_taps(proposer.tap_layers)
+    from specrt.runtime.generate import prefill
+
+    _, taps = prefill(engine, [prompt])
+    proposer.observe([0], [prompt], [taps[0, :len(prompt)]], [3])
+    chain = proposer.propose([0], [3], SamplingParams(), None)[0]
+    tree = proposer._tree(0)
+    assert chain.is_chain and chain.depth == 4
+    assert torch.equal(chain.tokens, tree.tokens)
+    assert torch.equal(tree.parents, torch.arange(-1, 3))
+    assert torch.allclose(chain.survival, tree.survival)
 
 
 def test_capped_block_proposals_respect_the_cap(target):

@@ -14,6 +14,11 @@ Scratch rows are never committed: the next `observe` rewrites the context from t
 
 Children are the top-k of each node (deterministic), so verification at T > 0 treats them as
 point masses (`draft_probs` None): lossless, see `specrt.runtime.verify`.
+
+Chains (top_k = 1, what int8-activation engines and small CPU verify budgets use) skip the tree
+builder: one argmax per level gives the same drafts and survivals (argmax takes the first of equal
+maxima, as the builder's stable order does) without its per-level bookkeeping, which on a CPU
+round of ~15 ms was a visible share.
 """
 
 from __future__ import annotations
@@ -85,7 +90,41 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        if self.top_k == 1:
+            return [self._chain(b) for b in rows]
         return [self._tree(b) for b in rows]
+
+    def _chain(self, b: int) -> Proposal:
+        """The top-1 path, depth min(depth, total_tokens - 1): the tree builder's result for top_k 1."""
+        base = self.lengths[b]
+        length = min(self.depth, self.total_tokens - 1)
+        k_cache, v_cache = self.k_cache[:, b:b + 1], self.v_cache[:, b:b + 1]
+        logits, hidden = self.root_logits[b], self.root_hidden[b]
+        dev = self.device
+        tokens: list[int] = []
+        cum, cums = 0.0, []
+        for level in range(1, length + 1):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            best = int(torch.argmax(logp))
+            cum += float(logp[best])
+            if cum == float("-inf"):
+                break
+            tokens.append(int(self.token_map[best]))
+            cums.append(cum)
+            if level == length:
+                break
+            # node `level - 1` sits in scratch slot base + level - 1 at position base - 1 + level and
+            # sees the committed context and the chain so far (its ancestors' slots and its own)
+            slot = base + level - 1
+            mask = torch.zeros(1, 1, slot + 1, dtype=torch.bool)
+            mask[..., :slot + 1] = True
+            out_logits, out = self.drafter(
+                torch.tensor([[tokens[-1]]], device=dev), hidden[None, None], torch.tensor([[base - 1 + level]], device=dev),
+                mask.to(dev), k_cache, v_cache, torch.tensor([[slot]], device=dev),
+            )
+            logits, hidden = out_logits[0, 0], out[0, 0]
+        return Proposal.chain(torch.tensor(tokens, dtype=torch.long), None,
+                              torch.tensor(cums, dtype=torch.float64).exp().float())
 
     def _tree(self, b: int) -> Proposal:
         base = self.lengths[b]
