@@ -56,7 +56,8 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
     d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
     d.add_argument("--confidence-threshold", type=float, default=0.1,
-                   help="DSpark/DFlash: verify drafts while their survival probability stays above this")
+                   help="DSpark/DFlash/EAGLE-3 chains (--tree-top-k 1): verify drafts while their survival "
+                   "probability stays above this")
     return d
 
 

@@ -31,7 +31,8 @@ def tiny_target(vocab: int = VOCAB, seed: int = 0) -> LlamaModel:
     return model
 
 
-def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1, top_k: int = 3) -> Eagle3Proposer:
+def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1, top_k: int = 3,
+           threshold: float = 0.0) -> Eagle3Proposer:
     torch.manual_seed(seed)
     draft_vocab = draft_vocab or target.config.vocab_size
     drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, draft_vocab)).eval()
@@ -41,7 +42,7 @@ def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1, to
         drafter.t2d.zero_()
         drafter.t2d[chosen] = True
     drafter.bind_target_embedding(target.embed_tokens)
-    return Eagle3Proposer(drafter, top_k=top_k, depth=4, total_tokens=10)
+    return Eagle3Proposer(drafter, top_k=top_k, depth=4, total_tokens=10, threshold=threshold)
 
 
 def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0, max_drafts: int | None = None) -> BlockProposer:
@@ -110,7 +111,9 @@ def plain(target, prompts, n, sampling=SamplingParams()):
     lambda t: eagle3(t), lambda t: eagle3(t, draft_vocab=40), lambda t: block(t, "dflash"),
     lambda t: block(t, "dspark"), lambda t: block(t, "dspark", threshold=0.2),
     lambda t: block(t, "dflash", threshold=0.05, max_drafts=2), lambda t: eagle3(t, draft_vocab=40, top_k=1),
-], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped", "eagle3-chain"])
+    lambda t: eagle3(t, top_k=1, threshold=0.3),
+], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped", "eagle3-chain",
+        "eagle3-chain-truncated"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batch3"])
 def test_greedy_equals_plain_decoding(target, make, batched):
     proposer = make(target)
@@ -142,6 +145,13 @@ def test_eagle3_chain_path_equals_the_tree_builder_at_top_k_1(target):
     assert torch.equal(chain.tokens, tree.tokens)
     assert torch.equal(tree.parents, torch.arange(-1, 3))
     assert torch.allclose(chain.survival, tree.survival)
+    # a threshold cuts the chain where the survival drops below it, and nowhere else
+    cut = float(tree.survival[1]) + 1e-6
+    proposer.threshold = cut
+    short = proposer.propose([0], [3], SamplingParams(), None)[0]
+    assert len(short) == 1 and torch.equal(short.tokens, tree.tokens[:1])
+    proposer.threshold = float(tree.survival[0]) + 1e-6
+    assert len(proposer.propose([0], [3], SamplingParams(), None)[0]) == 0
 
 
 def test_capped_block_proposals_respect_the_cap(target):

@@ -18,10 +18,15 @@ point masses (`draft_probs` None): lossless, see `specrt.runtime.verify`.
 Chains (top_k = 1, what int8-activation engines and small CPU verify budgets use) skip the tree
 builder: one argmax per level gives the same drafts and survivals (argmax takes the first of equal
 maxima, as the builder's stable order does) without its per-level bookkeeping, which on a CPU
-round of ~15 ms was a visible share.
+round of ~15 ms was a visible share. A chain also stops early where the drafter's own path
+probability (the survival) falls below `threshold`: every level not drafted saves a drafter call
+and a verify row, and the stop depends only on the drafter, never on the target, so verification
+stays lossless (as DSpark's confidence truncation).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,8 +40,10 @@ from specrt.runtime.tree import DraftTree, build_dynamic_tree
 class Eagle3Proposer:
     name = "eagle3"
 
-    def __init__(self, drafter: Eagle3Drafter, top_k: int = 4, depth: int = 4, total_tokens: int = 16) -> None:
+    def __init__(self, drafter: Eagle3Drafter, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
+                 threshold: float = 0.0) -> None:
         self.drafter = drafter
+        self.threshold = float(threshold)  # chains only: stop where the path probability drops below it
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.top_k, self.depth, self.total_tokens = int(top_k), int(depth), int(total_tokens)
         self.max_drafts = self.total_tokens - 1
@@ -103,11 +110,12 @@ class Eagle3Proposer:
         dev = self.device
         tokens: list[int] = []
         cum, cums = 0.0, []
+        stop = math.log(self.threshold) if self.threshold > 0 else float("-inf")
         for level in range(1, length + 1):
             logp = torch.log_softmax(logits.float(), dim=-1)
             best = int(torch.argmax(logp))
             cum += float(logp[best])
-            if cum == float("-inf"):
+            if cum == float("-inf") or cum < stop:
                 break
             tokens.append(int(self.token_map[best]))
             cums.append(cum)

@@ -21,7 +21,8 @@ class DraftOptions:
     tree_top_k: int = 4
     tree_depth: int = 5
     tree_tokens: int = 16  # verify tokens per step for EAGLE-3, anchor included
-    confidence_threshold: float = 0.1  # DSpark / DFlash: keep drafts while the survival stays above this
+    # DSpark / DFlash / EAGLE-3 chains: keep drafts while the survival stays above this
+    confidence_threshold: float = 0.1
     max_drafts: int | None = None  # DSpark / DFlash: at most this many drafts per step (None: the block)
 
     def __post_init__(self) -> None:
@@ -78,5 +79,6 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
 
     options = options or DraftOptions()
     if kind == "eagle3":
-        return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens)
+        return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens,
+                              threshold=options.confidence_threshold if options.tree_top_k == 1 else 0.0)
     return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts)
