@@ -206,3 +206,18 @@ def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path,
 
     with pytest.raises(SpecrtError, match="unknown peer"):
         make_peers(["vllm"], None, 1, 64)
+
+
+def test_bench_trees_times_shapes_and_checks_they_equal_plain(folders, monkeypatch, capsys):
+    """`tools/bench_trees.py` on the tiny EAGLE-3 engine: every shape (a thresholded chain included)
+    is reported, and every output equals plain decoding's."""
+    import specrt.tools.datasets as datasets
+    from specrt.tools.bench_trees import main as bench_trees, parse_shapes
+
+    assert parse_shapes("4/4/16,1/4/5@0.2") == [(4, 4, 16, 0.0), (1, 4, 5, 0.2)]
+    monkeypatch.setattr(datasets, "mtbench_questions", lambda: [{"turns": ["w5 w9 w23"]}, {"turns": ["w40 w2"]}])
+    assert bench_trees(["--engines", str(folders["engines"]["eagle3"]), "--shapes", "2/3/5,1/3/4@0.3",
+                        "--prompts", "2", "--max-new-tokens", "12", "--threads", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "tok/s" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| plain", "| 2/3/5", "| 1/3/4@0.3"]
+    assert all(r.rstrip(" |").endswith("2/2") for r in rows)

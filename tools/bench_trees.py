@@ -2,7 +2,8 @@
 
     python -m specrt.tools.bench_trees --engines engines/smollm2-eagle3 --shapes 4/4/16,2/2/4,1/2/3
 
-Shape = top_k/depth/verify tokens (anchor included; top_k 1 is a chain). Every shape shares the
+Shape = top_k/depth/verify tokens (anchor included; top_k 1 is a chain), optionally @threshold for a
+chain that stops where the drafter's path probability drops below it (1/4/5@0.2). Every shape shares the
 loaded target and drafter; prompts (MT-bench first turns) are decoded by plain decoding and each
 shape in turn, interleaved, so noise hits all alike. Prints tok/s, the ratio to plain decoding, tau,
 drafting ms per round, and whether each output equals plain decoding's.
@@ -16,11 +17,12 @@ from specrt.runtime.pipeline import Pipeline
 from specrt.runtime.proposers.factory import DraftOptions, proposer_for
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def parse_shapes(text: str) -> list[tuple[int, int, int, float]]:
     shapes = []
     for item in text.split(","):
-        k, d, n = (int(x) for x in item.split("/"))
-        shapes.append((k, d, n))
+        shape, _, threshold = item.partition("@")
+        k, d, n = (int(x) for x in shape.split("/"))
+        shapes.append((k, d, n, float(threshold or 0.0)))
     return shapes
 
 
@@ -39,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.engines} holds no EAGLE-3 drafter")
     drafter = pipe.proposer.drafter
     configs: dict[str, Pipeline] = {"plain": pipe}
-    for k, d, n in parse_shapes(args.shapes):
-        options = DraftOptions(tree_top_k=k, tree_depth=d, tree_tokens=n)
-        configs[f"{k}/{d}/{n}"] = pipe.with_proposer(proposer_for("eagle3", drafter, options))
+    for k, d, n, threshold in parse_shapes(args.shapes):
+        options = DraftOptions(tree_top_k=k, tree_depth=d, tree_tokens=n, confidence_threshold=threshold)
+        label = f"{k}/{d}/{n}" + (f"@{threshold:g}" if threshold else "")
+        configs[label] = pipe.with_proposer(proposer_for("eagle3", drafter, options))
     prompts = [q["turns"][0] for q in mtbench_questions()[: args.prompts]]
     for label, cfg in configs.items():  # warm-up
         cfg.generate(prompts[0], max_new_tokens=16, speculative=label != "plain")
