@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from specrt.export.checkpoints.drafters import load_drafter
+from specrt.export.errors import SpecrtError
 from specrt.export.models import LlamaConfig, LlamaModel
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
@@ -314,6 +315,24 @@ def test_eagle3_trainer(tmp_path, target, data, cache):
     assert torch.equal(drafter.d2t, vocab.d2t) and torch.equal(drafter.t2d, vocab.t2d)
     drafter.bind_target_embedding(target.embed_tokens)
     assert_lossless(target, Eagle3Proposer(drafter, top_k=3, depth=4, total_tokens=10))
+
+
+def test_eagle3_resume_keeps_its_draft_vocabulary(tmp_path, target, data, cache, monkeypatch):
+    """A resumed run keeps the vocabulary its head rows were trained for, even if the data would now
+    rank other tokens first (the data set grew); a size that does not match is refused."""
+    out = tmp_path / "eagle3"
+    base = ["--draft-vocab-size", "40", "--intermediate-size", "48", "--batch-size", "4"]
+    first = train_eagle3.run(train_eagle3.parse_args(common_args(out, data, cache, 4, *base, "--stop-at-step", "2")),
+                             target)
+    started = first["drafter"].d2t.clone()
+    # the data "grew": a vocabulary built now would be another one
+    monkeypatch.setattr(train_eagle3, "build_draft_vocab", lambda *a: pytest.fail("vocabulary rebuilt on resume"))
+    resumed = train_eagle3.run(train_eagle3.parse_args(common_args(out, data, cache, 4, *base, "--resume")), target)
+    assert resumed["result"].step == 4
+    assert torch.equal(resumed["drafter"].d2t, started)
+    with pytest.raises(SpecrtError, match="draft vocabulary has 40 tokens"):
+        train_eagle3.run(train_eagle3.parse_args(common_args(out, data, cache, 6, "--draft-vocab-size", "30",
+                                                             "--intermediate-size", "48", "--resume")), target)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])

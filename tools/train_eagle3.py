@@ -54,6 +54,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -95,11 +96,30 @@ def build_draft_vocab(responses: Iterable[Sequence[int]], draft_vocab_size: int,
     if len(chosen) < draft_vocab_size:
         taken = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in taken][: draft_vocab_size - len(chosen)]
-    tokens = torch.tensor(sorted(chosen), dtype=torch.long)
-    d2t = tokens - torch.arange(draft_vocab_size)
+    return vocab_from_tokens(torch.tensor(sorted(chosen), dtype=torch.long), vocab_size, covered / max(total, 1), total)
+
+
+def vocab_from_tokens(tokens: torch.Tensor, vocab_size: int, coverage: float, counted: int) -> DraftVocab:
+    tokens = tokens.sort().values
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[tokens] = True
-    return DraftVocab(tokens, d2t, t2d, covered / max(total, 1), total)
+    return DraftVocab(tokens, tokens - torch.arange(len(tokens)), t2d, coverage, counted)
+
+
+def kept_draft_vocab(tokens: Sequence[int], responses: Iterable[Sequence[int]], vocab_size: int) -> DraftVocab:
+    """A resumed run's vocabulary (the checkpoint's rows are tied to it), with its coverage of `responses`.
+
+    A data set that grew since the run started would rank other tokens first; rebuilding the vocabulary
+    would silently re-map the trained head's rows, so the run keeps the one it started with."""
+    keep = torch.as_tensor(list(tokens), dtype=torch.long)
+    member = torch.zeros(vocab_size, dtype=torch.bool)
+    member[keep] = True
+    counted = covered = 0
+    for seq in responses:
+        ids = torch.as_tensor(list(seq), dtype=torch.long)
+        counted += len(ids)
+        covered += int(member[ids].sum())
+    return vocab_from_tokens(keep, vocab_size, covered / max(counted, 1), counted)
 
 
 # -- training-time test ----------------------------------------------------------------------------
@@ -274,9 +294,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_drafter(args: argparse.Namespace, target, store) -> tuple[Eagle3Drafter, DraftVocab]:
+def build_drafter(args: argparse.Namespace, target, store,
+                  kept_tokens: Sequence[int] | None = None) -> tuple[Eagle3Drafter, DraftVocab]:
     cfg = target.config
-    vocab = build_draft_vocab((store.response(i) for i in store.train_indices), args.draft_vocab_size, cfg.vocab_size)
+    responses = (store.response(i) for i in store.train_indices)
+    if kept_tokens is not None:
+        if len(kept_tokens) != args.draft_vocab_size:
+            raise SpecrtError(f"--resume: the run's draft vocabulary has {len(kept_tokens)} tokens, "
+                              f"--draft-vocab-size asks for {args.draft_vocab_size}",
+                              f"resume with --draft-vocab-size {len(kept_tokens)}, or start a new --out")
+        vocab = kept_draft_vocab(kept_tokens, responses, cfg.vocab_size)
+    else:
+        vocab = build_draft_vocab(responses, args.draft_vocab_size, cfg.vocab_size)
     torch.manual_seed(args.seed)
     dcfg = Eagle3Config.for_target(cfg, args.draft_vocab_size, intermediate_size=args.intermediate_size)
     drafter = Eagle3Drafter(dcfg)
@@ -288,6 +317,17 @@ def build_drafter(args: argparse.Namespace, target, store) -> tuple[Eagle3Drafte
             drafter.norm.weight.copy_(target.norm.weight)
     drafter.bind_target_embedding(target.embed_tokens)
     return drafter, vocab
+
+
+def resumed_draft_vocab(args: argparse.Namespace) -> list[int] | None:
+    """The draft vocabulary a --resume run started with (None: a fresh run, or a state without one)."""
+    from specrt.tools.train_common import STATE_FILE, load_state
+
+    path = Path(args.out) / STATE_FILE
+    if not (args.resume and path.exists()):
+        return None
+    tokens = (load_state(path).get("extra") or {}).get("draft_vocab_tokens")
+    return None if tokens is None else [int(t) for t in tokens]
 
 
 def run(args: argparse.Namespace, target) -> dict:
@@ -309,7 +349,7 @@ def run(args: argparse.Namespace, target) -> dict:
         p.requires_grad_(False)
     taps = sorted(set(all_drafter_taps(target.config.num_layers)))
     store = feature_store(args, target, taps)
-    drafter, vocab = build_drafter(args, target, store)
+    drafter, vocab = build_drafter(args, target, store, resumed_draft_vocab(args))
     print(f"draft vocabulary: {len(vocab.tokens)} tokens cover {vocab.coverage:.2%} of {vocab.counted} "
           f"training response tokens", file=sys.stderr)
     objective = Eagle3Objective(store, target, drafter, args.ttt_steps, args.step_decay)
