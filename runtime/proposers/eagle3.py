@@ -124,8 +124,7 @@ class Eagle3Proposer:
             # node `level - 1` sits in scratch slot base + level - 1 at position base - 1 + level and
             # sees the committed context and the chain so far (its ancestors' slots and its own)
             slot = base + level - 1
-            mask = torch.zeros(1, 1, slot + 1, dtype=torch.bool)
-            mask[..., :slot + 1] = True
+            mask = torch.ones(1, 1, slot + 1, dtype=torch.bool)
             out_logits, out = self.drafter(
                 torch.tensor([[tokens[-1]]], device=dev), hidden[None, None], torch.tensor([[base - 1 + level]], device=dev),
                 mask.to(dev), k_cache, v_cache, torch.tensor([[slot]], device=dev),

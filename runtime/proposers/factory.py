@@ -79,6 +79,7 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
 
     options = options or DraftOptions()
     if kind == "eagle3":
+        # the threshold only cuts chains (top_k 1); trees rank their nodes by path probability instead
         return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens,
-                              threshold=options.confidence_threshold if options.tree_top_k == 1 else 0.0)
+                              threshold=options.confidence_threshold)
     return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts)
