@@ -38,6 +38,19 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
 
 
+def fill_attention_dims(cfg: Any, owner: str, fix: str) -> None:
+    """The attention dims every config (target and drafters) settles in `__post_init__`: head_dim
+    defaults to hidden_size // num_heads, and grouped-query attention needs whole groups."""
+    if not cfg.head_dim:
+        cfg.head_dim = cfg.hidden_size // cfg.num_heads
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise SpecrtError(
+            f"{owner}: num_attention_heads ({cfg.num_heads}) is not a multiple of "
+            f"num_key_value_heads ({cfg.num_kv_heads})",
+            fix,
+        )
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int
@@ -59,14 +72,8 @@ class LlamaConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.head_dim:
-            self.head_dim = self.hidden_size // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise SpecrtError(
-                f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})",
-                "check the checkpoint's config.json; grouped-query attention needs whole groups",
-            )
+        fill_attention_dims(self, "target config",
+                            "check the checkpoint's config.json; grouped-query attention needs whole groups")
 
     @property
     def num_hidden_states(self) -> int:

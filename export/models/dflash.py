@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrt.export.errors import SpecrtError
-from specrt.export.models.config import LlamaConfig
+from specrt.export.models.config import LlamaConfig, fill_attention_dims
 from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, write_kv
 
 
@@ -83,17 +83,10 @@ class DFlashConfig:
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        if not self.head_dim:
-            self.head_dim = self.hidden_size // self.num_heads
+        fill_attention_dims(self, type(self).__name__, "check the drafter's config.json")
         if not self.target_hidden_size:
             self.target_hidden_size = self.hidden_size
         self.tap_layers = [int(i) for i in self.tap_layers]
-        if self.num_heads % self.num_kv_heads:
-            raise SpecrtError(
-                f"{type(self).__name__}: num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})",
-                "check the drafter's config.json",
-            )
         if self.block_size < 2 and type(self) is DFlashConfig:
             raise SpecrtError(
                 f"DFlash block_size {self.block_size} gives no drafts", "use a block size of at least 2"

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrt.export.errors import SpecrtError
-from specrt.export.models.config import LlamaConfig
+from specrt.export.models.config import LlamaConfig, fill_attention_dims
 from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 
 
@@ -74,17 +74,10 @@ class Eagle3Config:
     own_embedding: bool = False  # True: the checkpoint carries embed_tokens.weight
 
     def __post_init__(self) -> None:
-        if not self.head_dim:
-            self.head_dim = self.hidden_size // self.num_heads
+        fill_attention_dims(self, "EAGLE-3 config", "check the drafter's config.json")
         if not self.target_hidden_size:
             self.target_hidden_size = self.hidden_size
         self.tap_layers = [int(i) for i in self.tap_layers]
-        if self.num_heads % self.num_kv_heads:
-            raise SpecrtError(
-                f"EAGLE-3 config: num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})",
-                "check the drafter's config.json",
-            )
         if self.draft_vocab_size > self.vocab_size:
             raise SpecrtError(
                 f"EAGLE-3 config: draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})",
