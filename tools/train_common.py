@@ -165,8 +165,13 @@ def load_target_model(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_target(args.target)
-    model = loaded.model.eval()
+    return frozen_target(load_target(args.target))
+
+
+def frozen_target(target):
+    """The target model (of a loaded checkpoint or as is) in eval mode with no gradients: trainers
+    read its features and heads, never train it."""
+    model = getattr(target, "model", target).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -448,6 +453,7 @@ __all__ = [
     "all_drafter_taps",
     "feature_store",
     "format_metrics",
+    "frozen_target",
     "load_target_model",
     "make_optimizer",
     "save_final",

@@ -344,6 +344,7 @@ def run(args: argparse.Namespace, target) -> dict:
         LoopConfig,
         all_drafter_taps,
         feature_store,
+        frozen_target,
         save_final,
         steps_for,
         train_loop,
@@ -351,9 +352,7 @@ def run(args: argparse.Namespace, target) -> dict:
         write_summary,
     )
 
-    target = getattr(target, "model", target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = frozen_target(target)
     drafter = build_drafter(args, target)
     taps = sorted(set(all_drafter_taps(target.config.num_layers)) | set(drafter.config.tap_layers))
     store = feature_store(args, target, taps)

@@ -337,6 +337,7 @@ def run(args: argparse.Namespace, target) -> dict:
         LoopConfig,
         all_drafter_taps,
         feature_store,
+        frozen_target,
         save_final,
         steps_for,
         train_loop,
@@ -344,9 +345,7 @@ def run(args: argparse.Namespace, target) -> dict:
         write_summary,
     )
 
-    target = getattr(target, "model", target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = frozen_target(target)
     taps = sorted(set(all_drafter_taps(target.config.num_layers)))
     store = feature_store(args, target, taps)
     drafter, vocab = build_drafter(args, target, store, resumed_draft_vocab(args))
