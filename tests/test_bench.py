@@ -24,7 +24,7 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
         save_drafter(drafter, paths[kind])
     out = tmp_path / "report"
     code = main(["bench", "--drafters", f"dflash={paths['dflash']},dspark={paths['dspark']}", "--prompts", "2",
-                 "--max-new-tokens", "8", "--check-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "4",
+                 "--max-new-tokens", "12", "--check-tokens", "8", "--speed-prompts", "1", "--speed-tokens", "4",
                  "--kv-contexts", "8,40", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())

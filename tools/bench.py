@@ -179,9 +179,13 @@ def run(args: argparse.Namespace) -> int:
         params = modes[mode]
         report["acceptance"][mode] = {}
         plain_tokens: dict[str, list] = {}
-        if mode == "greedy" and drafted:
+        if mode == "greedy" and drafted and args.check_tokens > 0:
             for label in sorted({plain_of(k) for k in drafted}):
-                plain_tokens[label], _ = _run_all(plains[label], prompts, args, params, f"{mode}: {label}")
+                # the reference needs only the compared prefix: greedy's first n tokens do not
+                # depend on how many follow
+                reference_tokens = min(args.max_new_tokens, args.check_tokens)
+                plain_tokens[label], _ = _run_all(plains[label], prompts, args, params, f"{mode}: {label}",
+                                                  reference_tokens)
         for kind, pipe in drafted.items():
             tokens, stats = _run_all(pipe, prompts, args, params, f"{mode}: {kind}")
             rounds = sum(s.rounds for s in stats)
@@ -214,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_all(pipe, prompts, args, params, desc):
+def _run_all(pipe, prompts, args, params, desc, max_new_tokens=None):
     """Every prompt through `pipe` in batches of --batch-size: (tokens, stats) per prompt."""
     from tqdm import tqdm
 
@@ -222,7 +226,7 @@ def _run_all(pipe, prompts, args, params, desc):
     with tqdm(total=len(prompts), desc=desc, file=sys.stderr) as bar:
         for i in range(0, len(prompts), args.batch_size):
             batch = prompts[i:i + args.batch_size]
-            result = pipe.generate_ids(batch, args.max_new_tokens, params)
+            result = pipe.generate_ids(batch, args.max_new_tokens if max_new_tokens is None else max_new_tokens, params)
             tokens += result.tokens
             stats += result.stats
             bar.update(len(batch))
