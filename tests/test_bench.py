@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import torch
-
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
@@ -36,3 +35,24 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speed.png").stat().st_size > 0
     assert set(report["kv"]) == {"8", "40"} and all(k["ms_per_step"] > 0 for k in report["kv"].values())
     assert "| dflash |" in capsys.readouterr().out
+
+
+def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):
+    import argparse
+    import gzip
+
+    import pytest
+    from specrt.export.errors import SpecrtError
+    from specrt.tools.bench import bench_prompts
+    from specrt.tools.build_data import DEFAULT_OUT, read_shards
+    from specrt.tools.train_features import is_validation
+
+    args = argparse.Namespace(prompt_source="heldout", data=None, prompts=5)
+    prompts = bench_prompts(args, tokenizer=None)
+    samples = read_shards(DEFAULT_OUT)
+    assert prompts == [s["prompt"] for s in samples if is_validation(s["id"])][:5]
+    assert prompts != [s["prompt"] for s in samples][:5]  # not simply the first samples
+    # a folder without held-out samples is refused with the fix
+    (tmp_path / "shard_00000.json.gz").write_bytes(gzip.compress(b'{"ids":[],"prompt":[],"response":[]}'))
+    with pytest.raises(SpecrtError, match="no held-out samples"):
+        bench_prompts(argparse.Namespace(prompt_source="heldout", data=tmp_path, prompts=5), tokenizer=None)

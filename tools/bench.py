@@ -22,6 +22,11 @@ Three measurements, because they answer different questions on a 2-core machine:
 - KV cost (--kv-contexts 64,1024): plain decoding's time per decode step after a prompt of each
   length; with the cache read in place it grows only with the attention over the longer window.
 Writes bench.json, bench.md and plots (acceptance per position, speed) to --out.
+
+`--prompt-source heldout` runs the same report on the held-out 5 % of the drafters' training set
+(ShareGPT first turns, `tools/data/sharegpt-smollm2`, the split the trainers validate on) instead
+of MT-bench: the gap between the two tells a domain gap (drafters fit their data, MT-bench is
+further away) from a train/inference mismatch (the runtime misses even on held-out data).
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", default="", help="torch: comma list KIND=PATH (default: the shipped drafters)")
     p.add_argument("--compare", default="", help="comma list of peers to time beside specrt: torch (its own torch backend), llama.cpp, ort-genai")
     p.add_argument("--prompts", type=int, default=80, help="MT-bench first turns to use (max 80)")
+    p.add_argument("--prompt-source", default="mtbench", choices=["mtbench", "heldout"],
+                   help="mtbench: MT-bench first turns; heldout: the held-out split of --data")
+    p.add_argument("--data", type=Path, default=None,
+                   help="built training set for --prompt-source heldout (default: the committed one)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--check-tokens", type=int, default=64, help="greedy tokens compared with plain decoding")
     p.add_argument("--speed-prompts", type=int, default=8, help="prompts timed at batch 1 (0: skip)")
@@ -157,21 +166,18 @@ def _batched(fn, prompts, batch_size):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
     from specrt.runtime.sampling import SamplingParams
-    from specrt.tools.datasets import mtbench_questions
-
     if args.threads:
         torch.set_num_threads(args.threads)
     compare = [c for c in args.compare.split(",") if c]
     plains, drafted, backend = build_pipelines(args)
     plain = plains.get("plain") or next(iter(plains.values()))
     tok = plain.tokenizer
-    questions = mtbench_questions()[: args.prompts]
-    prompts = [tok.encode_chat(q["turns"][0]) for q in questions]
+    prompts = bench_prompts(args, tok)
     modes = {"greedy": SamplingParams(0.0), "t1": SamplingParams(1.0, seed=args.seed)}
     threads = args.threads or torch.get_num_threads()
     report: dict = {"backend": backend, "device": args.device, "prompts": len(prompts),
+                    "prompt_source": args.prompt_source,
                     "max_new_tokens": args.max_new_tokens, "threads": threads,
                     "acceptance": {}, "speed": {}, "lossless": {}, "kv": {}, "peers": {}}
 
@@ -218,6 +224,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Token ids of the first --prompts prompts of --prompt-source."""
+    if args.prompt_source == "heldout":
+        from specrt.tools.build_data import DEFAULT_OUT, read_shards
+        from specrt.tools.train_features import is_validation
+
+        folder = args.data or DEFAULT_OUT
+        held_out = [s["prompt"] for s in read_shards(Path(folder)) if is_validation(s["id"])]
+        if not held_out:
+            from specrt.export.errors import SpecrtError
+
+            raise SpecrtError(f"no held-out samples in {folder}", "build the data set first: specrt train data")
+        return held_out[: args.prompts]
+    from specrt.tools.datasets import mtbench_questions
+
+    return [tokenizer.encode_chat(q["turns"][0]) for q in mtbench_questions()[: args.prompts]]
+
+
 def _run_all(pipe, prompts, args, params, desc, max_new_tokens=None):
     """Every prompt through `pipe` in batches of --batch-size: (tokens, stats) per prompt."""
     from tqdm import tqdm
@@ -235,10 +259,9 @@ def _run_all(pipe, prompts, args, params, desc, max_new_tokens=None):
 
 def measure_speed(plains, drafted, prompts, args, compare, threads):
     """Batch-1 tok/s of every configuration and peer, interleaved prompt by prompt."""
-    from tqdm import tqdm
-
     from specrt.runtime.sampling import SamplingParams
     from specrt.tools.peers import make_peers, time_peer
+    from tqdm import tqdm
 
     greedy = SamplingParams(0.0)
     plain = plains.get("plain") or next(iter(plains.values()))
@@ -287,7 +310,6 @@ def _timed(pipe, prompt, max_new, sampling):
 def _loaded_target_for_peers(plain):
     """The target as a torch checkpoint (peers need its GGUF path and, for genai, its weights)."""
     from specrt.export.checkpoints import load_target
-
     from specrt.export.default_model import find_default_gguf
 
     try:
@@ -322,7 +344,8 @@ def _columns(rows: list[list[int]]) -> list[list[int]]:
 
 
 def render_markdown(report: dict) -> str:
-    lines = [f"MT-bench first turns: {report['prompts']} prompts, max {report['max_new_tokens']} new tokens, "
+    source = "held-out ShareGPT training prompts" if report.get("prompt_source") == "heldout" else "MT-bench first turns"
+    lines = [f"{source}: {report['prompts']} prompts, max {report['max_new_tokens']} new tokens, "
              f"{report['backend']} backend ({report['device']}), {report['threads']} threads", ""]
     for mode, per_kind in report["acceptance"].items():
         lines += [f"### acceptance, {mode}", "", "| drafter | tau | acceptance per draft position |", "|---|---|---|"]
