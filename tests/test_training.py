@@ -335,6 +335,71 @@ def test_eagle3_resume_keeps_its_draft_vocabulary(tmp_path, target, data, cache,
                                                              "--intermediate-size", "48", "--resume")), target)
 
 
+def test_remap_head_rows_carries_trained_rows_and_moments(target):
+    """Rows of tokens both vocabularies hold move with their Adam moments; new rows are the target's
+    LM-head rows with zero moments; d2t/t2d describe the new vocabulary."""
+    from specrt.tools.train_common import make_optimizer, optimizer_slots
+
+    cfg = Eagle3Config.for_target(target.config, 6, intermediate_size=48)
+    drafter = Eagle3Drafter(cfg)
+    old_tokens = [3, 7, 11, 20, 31, 40]
+    old = train_eagle3.vocab_from_tokens(torch.tensor(old_tokens), VOCAB, 1.0, 1)
+    drafter.d2t.copy_(old.d2t)
+    drafter.t2d.copy_(old.t2d)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = make_optimizer(params, 1e-2, 0.0)
+    sum((p.float() ** 2).sum() for p in params).backward()
+    opt.step()
+    state = {"model": {k: v.clone() for k, v in drafter.state_dict().items()}, "optimizer": opt.state_dict()}
+    slot = optimizer_slots(drafter).index("lm_head.weight")
+    old_m = state["optimizer"]["state"][slot]["exp_avg"].clone()
+    old_w = state["model"]["lm_head.weight"].clone()
+
+    new = train_eagle3.vocab_from_tokens(torch.tensor([2, 7, 11, 33, 40, 50]), VOCAB, 1.0, 1)
+    kept, fresh = train_eagle3.remap_head_rows(state, optimizer_slots(drafter), old_tokens, new,
+                                               target.lm_head.weight)
+    assert (kept, fresh) == (3, 3)
+    w, m = state["model"]["lm_head.weight"], state["optimizer"]["state"][slot]["exp_avg"]
+    for j, tok in enumerate(new.tokens.tolist()):
+        if tok in old_tokens:
+            i = old_tokens.index(tok)
+            assert torch.equal(w[j], old_w[i]) and torch.equal(m[j], old_m[i])
+        else:
+            assert torch.equal(w[j], target.lm_head.weight[tok].to(w.dtype)) and not m[j].any()
+    assert torch.equal(state["model"]["d2t"] + torch.arange(6), new.tokens)
+    assert state["model"]["t2d"].nonzero().flatten().tolist() == new.tokens.tolist()
+    assert state["extra"]["draft_vocab_tokens"] == new.tokens.tolist()
+    drafter.load_state_dict(state["model"])  # the edited state still fits the model and its optimizer
+    opt.load_state_dict(state["optimizer"])
+
+
+def test_eagle3_resume_remaps_a_stale_draft_vocabulary(tmp_path, target, data, cache, monkeypatch):
+    """--remap-vocab: a run started on a vocabulary the data no longer ranks first resumes on the one
+    it ranks now, keeps the old state beside, trains on and drafts losslessly; without a run it is refused."""
+    out = tmp_path / "eagle3"
+    base = ["--draft-vocab-size", "30", "--intermediate-size", "48", "--batch-size", "4"]
+    real = train_eagle3.build_draft_vocab
+    with monkeypatch.context() as m:  # the run "started" on the least frequent tokens
+        m.setattr(train_eagle3, "build_draft_vocab",
+                  lambda responses, size, vocab: train_eagle3.vocab_from_tokens(torch.arange(VOCAB - size, VOCAB),
+                                                                                 vocab, 0.0, 0))
+        train_eagle3.run(train_eagle3.parse_args(common_args(out, data, cache, 6, *base, "--stop-at-step", "2")),
+                         target)
+    resumed = train_eagle3.run(train_eagle3.parse_args(
+        common_args(out, data, cache, 6, *base, "--resume", "--remap-vocab")), target)
+    store = resumed["store"]
+    want = real((store.response(i) for i in store.train_indices), 30, VOCAB)
+    assert torch.equal(resumed["drafter"].d2t, want.d2t) and resumed["result"].step == 6
+    assert (out / "train_state.pre_remap.pt").exists()
+    assert resumed["summary"]["draft_vocab_coverage"] == pytest.approx(want.coverage)
+    drafter = load_drafter(out / "drafter", target.config)
+    drafter.bind_target_embedding(target.embed_tokens)
+    assert_lossless(target, Eagle3Proposer(drafter, top_k=3, depth=4, total_tokens=10))
+    with pytest.raises(SpecrtError, match="none to resume"):
+        train_eagle3.run(train_eagle3.parse_args(common_args(tmp_path / "fresh", data, cache, 2, *base,
+                                                             "--remap-vocab")), target)
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_block_trainers(tmp_path, target, data, cache, kind):
     out = tmp_path / kind

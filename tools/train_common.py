@@ -76,10 +76,18 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float, progress
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # the grouping below fixes the optimizer's state indices; optimizer_slots must follow it
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def optimizer_slots(model: torch.nn.Module) -> list[str]:
+    """Parameter names in the order of the optimizer's state indices (the groups of make_optimizer),
+    so a saved optimizer state can be edited per parameter (the EAGLE-3 vocabulary re-map)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]
 
 
 # -- batches -------------------------------------------------------------------------------------

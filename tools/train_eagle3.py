@@ -2,7 +2,7 @@
 
     python -m specrt.tools.train_eagle3 --data tools/data/sharegpt-smollm2 --out runs/eagle3
         [--draft-vocab-size 8192] [--intermediate-size 1536] [--ttt-steps 7] [--epochs 1.5]
-        [--batch-size 4] [--lr 5e-4] [--max-minutes 110] [--threads 1] [--resume]
+        [--batch-size 4] [--lr 5e-4] [--max-minutes 110] [--threads 1] [--resume [--remap-vocab]]
 
 Objective (reference: SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, arXiv 2503.01840):
 - Draft vocabulary: the `draft_vocab_size` most frequent target tokens of the training responses
@@ -120,6 +120,42 @@ def kept_draft_vocab(tokens: Sequence[int], responses: Iterable[Sequence[int]], 
         counted += len(ids)
         covered += int(member[ids].sum())
     return vocab_from_tokens(keep, vocab_size, covered / max(counted, 1), counted)
+
+
+def remap_head_rows(state: dict, slots: Sequence[str], old_tokens: Sequence[int], vocab: DraftVocab,
+                    target_head: torch.Tensor) -> tuple[int, int]:
+    """Move a saved training state (model + AdamW moments) onto another draft vocabulary, in place.
+
+    Row j of the new head is the trained row of the same target token where the old vocabulary had
+    it (its Adam moments carried with it), else the target's LM-head row of that token (the fresh
+    run's initialisation) with zero moments, as if that row had just started. `slots` are the
+    optimizer's parameter names in state-index order (train_common.optimizer_slots). Returns
+    (rows kept, rows new)."""
+    old = torch.as_tensor(list(old_tokens), dtype=torch.long)
+    row_of = torch.full((target_head.shape[0],), -1, dtype=torch.long)
+    row_of[old] = torch.arange(len(old))
+    src = row_of[vocab.tokens]
+    kept = src >= 0
+
+    def moved(rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        out = fresh.to(rows.dtype).clone()
+        out[kept] = rows[src[kept]]
+        return out
+
+    model = state["model"]
+    weight = model["lm_head.weight"]
+    if weight.shape[0] != len(old):
+        raise SpecrtError(f"the saved head has {weight.shape[0]} rows but its vocabulary {len(old)} tokens",
+                          "the training state is inconsistent; start a new --out")
+    model["lm_head.weight"] = moved(weight, target_head[vocab.tokens])
+    model["d2t"] = vocab.d2t.clone()
+    model["t2d"] = vocab.t2d.clone()
+    moments = state["optimizer"]["state"].get(list(slots).index("lm_head.weight"), {})
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in moments:
+            moments[key] = moved(moments[key], torch.zeros_like(weight))
+    state.setdefault("extra", {})["draft_vocab_tokens"] = vocab.tokens.tolist()
+    return int(kept.sum()), int((~kept).sum())
 
 
 # -- training-time test ----------------------------------------------------------------------------
@@ -290,6 +326,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="unrolled training-time-test steps")
     g.add_argument("--step-decay", type=float, default=STEP_DECAY, help="loss weight of step i is decay**i")
     g.add_argument("--no-head-init", action="store_true", help="random lm_head/norm instead of the target's rows")
+    g.add_argument("--remap-vocab", action="store_true",
+                   help="with --resume: rebuild the draft vocabulary from the current data (the set grew) and "
+                   "carry the trained head rows of the tokens it keeps; new tokens start from the target's rows")
     add_common_args(ap, lr=5e-4, batch_size=4, epochs=1.5)
     return ap.parse_args(argv)
 
@@ -330,6 +369,30 @@ def resumed_draft_vocab(args: argparse.Namespace) -> list[int] | None:
     return None if tokens is None else [int(t) for t in tokens]
 
 
+def remap_resumed_vocab(args: argparse.Namespace, target, store, old_tokens: Sequence[int]) -> list[int]:
+    """--remap-vocab: rewrite <out>/train_state.pt onto the vocabulary the data ranks now (the old state
+    is kept as train_state.pre_remap.pt); returns the new vocabulary's tokens."""
+    from specrt.tools.train_common import STATE_FILE, load_state, optimizer_slots
+
+    responses = [store.response(i) for i in store.train_indices]
+    vocab = build_draft_vocab(responses, len(old_tokens), target.config.vocab_size)
+    before = kept_draft_vocab(old_tokens, responses, target.config.vocab_size).coverage
+    if vocab.tokens.tolist() == list(old_tokens):
+        print("--remap-vocab: the data ranks the same draft vocabulary; nothing to re-map", file=sys.stderr)
+        return list(old_tokens)
+    path = Path(args.out) / STATE_FILE
+    state = load_state(path)
+    slots = optimizer_slots(build_drafter(args, target, store, old_tokens)[0])
+    kept, new = remap_head_rows(state, slots, old_tokens, vocab, target.lm_head.weight.detach())
+    path.replace(path.with_name("train_state.pre_remap.pt"))
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    print(f"--remap-vocab: {kept} head rows kept, {new} new from the target's LM head; coverage of the "
+          f"training responses {before:.2%} -> {vocab.coverage:.2%}", file=sys.stderr)
+    return vocab.tokens.tolist()
+
+
 def run(args: argparse.Namespace, target) -> dict:
     """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
     from specrt.tools.train_common import (
@@ -348,7 +411,13 @@ def run(args: argparse.Namespace, target) -> dict:
     target = frozen_target(target)
     taps = sorted(set(all_drafter_taps(target.config.num_layers)))
     store = feature_store(args, target, taps)
-    drafter, vocab = build_drafter(args, target, store, resumed_draft_vocab(args))
+    kept_tokens = resumed_draft_vocab(args)
+    if args.remap_vocab:
+        if kept_tokens is None:
+            raise SpecrtError("--remap-vocab re-maps a resumed run's draft vocabulary, but there is none to resume",
+                              "pass --resume with an --out that holds a train_state.pt, or drop --remap-vocab")
+        kept_tokens = remap_resumed_vocab(args, target, store, kept_tokens)
+    drafter, vocab = build_drafter(args, target, store, kept_tokens)
     print(f"draft vocabulary: {len(vocab.tokens)} tokens cover {vocab.coverage:.2%} of {vocab.counted} "
           f"training response tokens", file=sys.stderr)
     objective = Eagle3Objective(store, target, drafter, args.ttt_steps, args.step_decay)
