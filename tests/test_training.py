@@ -340,33 +340,42 @@ def test_remap_head_rows_carries_trained_rows_and_moments(target):
     LM-head rows with zero moments; d2t/t2d describe the new vocabulary."""
     from specrt.tools.train_common import make_optimizer, optimizer_slots
 
-    cfg = Eagle3Config.for_target(target.config, 6, intermediate_size=48)
+    size = 40  # more rows than hidden size + 1, so the head-space map is determined by the old rows
+    cfg = Eagle3Config.for_target(target.config, size, intermediate_size=48)
     drafter = Eagle3Drafter(cfg)
-    old_tokens = [3, 7, 11, 20, 31, 40]
+    old_tokens = list(range(1, 41))
     old = train_eagle3.vocab_from_tokens(torch.tensor(old_tokens), VOCAB, 1.0, 1)
     drafter.d2t.copy_(old.d2t)
     drafter.t2d.copy_(old.t2d)
+    # a trained head that drifted from the target's as a whole: scaled and shifted target rows
+    shift = torch.linspace(-1, 1, target.config.hidden_size)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(0.5 * target.lm_head.weight[old_tokens] + shift)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = make_optimizer(params, 1e-2, 0.0)
     sum((p.float() ** 2).sum() for p in params).backward()
-    opt.step()
     state = {"model": {k: v.clone() for k, v in drafter.state_dict().items()}, "optimizer": opt.state_dict()}
     slot = optimizer_slots(drafter).index("lm_head.weight")
+    opt.step()  # moments exist after a step; the state above holds the weights before it
+    state["optimizer"] = opt.state_dict()
     old_m = state["optimizer"]["state"][slot]["exp_avg"].clone()
     old_w = state["model"]["lm_head.weight"].clone()
 
-    new = train_eagle3.vocab_from_tokens(torch.tensor([2, 7, 11, 33, 40, 50]), VOCAB, 1.0, 1)
+    new = train_eagle3.vocab_from_tokens(torch.arange(11, 51), VOCAB, 1.0, 1)
     kept, fresh = train_eagle3.remap_head_rows(state, optimizer_slots(drafter), old_tokens, new,
                                                target.lm_head.weight)
-    assert (kept, fresh) == (3, 3)
+    assert (kept, fresh) == (30, 10)
     w, m = state["model"]["lm_head.weight"], state["optimizer"]["state"][slot]["exp_avg"]
     for j, tok in enumerate(new.tokens.tolist()):
         if tok in old_tokens:
             i = old_tokens.index(tok)
             assert torch.equal(w[j], old_w[i]) and torch.equal(m[j], old_m[i])
         else:
-            assert torch.equal(w[j], target.lm_head.weight[tok].to(w.dtype)) and not m[j].any()
-    assert torch.equal(state["model"]["d2t"] + torch.arange(6), new.tokens)
+            # the new row went through the fitted map: scaled and shifted like the trained ones
+            want = 0.5 * target.lm_head.weight[tok] + shift
+            assert torch.allclose(w[j], want, atol=0.05), (w[j] - want).abs().max()
+            assert not m[j].any()
+    assert torch.equal(state["model"]["d2t"] + torch.arange(size), new.tokens)
     assert state["model"]["t2d"].nonzero().flatten().tolist() == new.tokens.tolist()
     assert state["extra"]["draft_vocab_tokens"] == new.tokens.tolist()
     drafter.load_state_dict(state["model"])  # the edited state still fits the model and its optimizer
