@@ -409,6 +409,48 @@ def test_eagle3_resume_remaps_a_stale_draft_vocabulary(tmp_path, target, data, c
                                                              "--remap-vocab")), target)
 
 
+def test_eagle3_init_from_a_saved_drafter(tmp_path, target, data, cache, monkeypatch, capsys):
+    """--init-from: a fresh run starts from a saved drafter (its training state gone): every weight
+    loaded, the head moved onto this run's vocabulary, then it trains on and drafts losslessly; a
+    drafter of another width is refused with the flag that fits it."""
+    base = ["--draft-vocab-size", "30", "--intermediate-size", "48", "--batch-size", "4"]
+    with monkeypatch.context() as m:  # the saved drafter was trained on another vocabulary
+        m.setattr(train_eagle3, "build_draft_vocab",
+                  lambda responses, size, vocab: train_eagle3.vocab_from_tokens(torch.arange(VOCAB - size, VOCAB),
+                                                                                 vocab, 0.0, 0))
+        train_eagle3.run(train_eagle3.parse_args(common_args(tmp_path / "old", data, cache, 3, *base)), target)
+    saved = load_drafter(tmp_path / "old" / "drafter", target.config)
+    args = train_eagle3.parse_args(common_args(tmp_path / "new", data, cache, 4, *base,
+                                               "--init-from", str(tmp_path / "old" / "drafter")))
+    drafter, vocab = train_eagle3.build_drafter(args, target, _store(args, target))
+    kept, new = train_eagle3.init_from_drafter(drafter, vocab, args.init_from, target)
+    old_tokens = (saved.d2t + torch.arange(30)).tolist()
+    assert kept == len(set(old_tokens) & set(vocab.tokens.tolist())) and kept + new == 30
+    for name, tensor in saved.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(drafter.state_dict()[name], tensor.float()), name
+    assert torch.equal(drafter.d2t, vocab.d2t)
+    for j, tok in enumerate(vocab.tokens.tolist()):
+        if tok in old_tokens:
+            assert torch.equal(drafter.lm_head.weight[j], saved.lm_head.weight[old_tokens.index(tok)].float())
+    res = train_eagle3.run(args, target)
+    assert "--init-from" in capsys.readouterr().err and res["result"].step == 4
+    trained = load_drafter(tmp_path / "new" / "drafter", target.config)
+    trained.bind_target_embedding(target.embed_tokens)
+    assert_lossless(target, Eagle3Proposer(trained, top_k=3, depth=4, total_tokens=10))
+    wide = train_eagle3.parse_args(common_args(tmp_path / "wide", data, cache, 2, "--draft-vocab-size", "30",
+                                               "--intermediate-size", "64", "--init-from",
+                                               str(tmp_path / "old" / "drafter")))
+    with pytest.raises(SpecrtError, match="--intermediate-size 48"):
+        train_eagle3.run(wide, target)
+
+
+def _store(args, target):
+    from specrt.tools.train_common import all_drafter_taps, feature_store
+
+    return feature_store(args, target, all_drafter_taps(target.config.num_layers))
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_block_trainers(tmp_path, target, data, cache, kind):
     out = tmp_path / kind

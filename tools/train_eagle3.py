@@ -3,6 +3,7 @@
     python -m specrt.tools.train_eagle3 --data tools/data/sharegpt-smollm2 --out runs/eagle3
         [--draft-vocab-size 8192] [--intermediate-size 1536] [--ttt-steps 7] [--epochs 1.5]
         [--batch-size 4] [--lr 5e-4] [--max-minutes 110] [--threads 1] [--resume [--remap-vocab]]
+        [--init-from DRAFTER_FOLDER]
 
 Objective (reference: SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, arXiv 2503.01840):
 - Draft vocabulary: the `draft_vocab_size` most frequent target tokens of the training responses
@@ -27,7 +28,11 @@ Objective (reference: SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, arXiv 2503.0
   provide step-0 keys: their queries, MLP and heads are skipped.
 - Initialisation: fc and midlayer random; `lm_head` starts from the target's LM-head rows of the
   draft tokens and `norm` from the target's final norm (`--no-head-init` for the reference's
-  random head); the embedding is the target's (frozen, not saved).
+  random head); the embedding is the target's (frozen, not saved). `--init-from FOLDER` starts
+  instead from a saved EAGLE-3 drafter of the same shape (e.g. the shipped one, to continue training
+  when its training state is gone, or to adapt it to your own data): every weight is loaded, the
+  head is moved onto this run's draft vocabulary like `--remap-vocab` does, and the optimizer and
+  LR schedule start fresh.
 - Validation: KL per step and accuracy per step (argmax over the draft vocabulary equals the
   target's restricted argmax) on the held-out 5 %.
 
@@ -348,6 +353,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with --resume: rebuild the draft vocabulary from the current data (the set grew) and "
                    "carry the trained head rows of the tokens it keeps; new tokens start from their target rows "
                    "mapped into the trained head's space")
+    g.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER_FOLDER",
+                   help="start from this EAGLE-3 drafter's weights (official format, e.g. the shipped one) "
+                   "instead of random layers; ignored when --resume finds a training state")
     add_common_args(ap, lr=5e-4, batch_size=4, epochs=1.5)
     return ap.parse_args(argv)
 
@@ -412,6 +420,32 @@ def remap_resumed_vocab(args: argparse.Namespace, target, store, old_tokens: Seq
     return vocab.tokens.tolist()
 
 
+def init_from_drafter(drafter: Eagle3Drafter, vocab: DraftVocab, folder: Path, target) -> tuple[int, int]:
+    """Load a saved EAGLE-3 drafter's weights into `drafter` (built on this run's vocabulary `vocab`),
+    its head re-mapped as `remap_head_rows` does (no optimizer moments to carry). Returns (head rows
+    kept, head rows new). A drafter of another shape is refused with the flag that would fit it."""
+    from specrt.export.checkpoints.drafters import load_drafter
+    from specrt.tools.train_common import optimizer_slots
+
+    start = load_drafter(folder, target.config, kind="eagle3")
+    model = {k: v.float() for k, v in start.state_dict().items()}
+    old_tokens = (start.d2t + torch.arange(len(start.d2t))).tolist()
+    if start.config.intermediate_size != drafter.config.intermediate_size:
+        raise SpecrtError(f"--init-from {folder}: its midlayer MLP is {start.config.intermediate_size} wide, "
+                          f"this run builds {drafter.config.intermediate_size}",
+                          f"pass --intermediate-size {start.config.intermediate_size}")
+    state = {"model": model, "optimizer": {"state": {}}}
+    kept, new = remap_head_rows(state, optimizer_slots(drafter), old_tokens, vocab, target.lm_head.weight.detach())
+    own = drafter.state_dict()
+    wrong = [k for k in own if k in model and tuple(model[k].shape) != tuple(own[k].shape)]
+    if wrong:
+        raise SpecrtError(f"--init-from {folder}: tensor {wrong[0]} has shape {tuple(model[wrong[0]].shape)}, "
+                          f"this run's drafter {tuple(own[wrong[0]].shape)}",
+                          "start from a drafter trained for the same target with the same EAGLE-3 options")
+    drafter.load_state_dict({k: model[k] for k in own if k in model}, strict=False)
+    return kept, new
+
+
 def run(args: argparse.Namespace, target) -> dict:
     """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
     from specrt.tools.train_common import (
@@ -437,6 +471,13 @@ def run(args: argparse.Namespace, target) -> dict:
                               "pass --resume with an --out that holds a train_state.pt, or drop --remap-vocab")
         kept_tokens = remap_resumed_vocab(args, target, store, kept_tokens)
     drafter, vocab = build_drafter(args, target, store, kept_tokens)
+    if args.init_from is not None:
+        if kept_tokens is not None:
+            print(f"--init-from ignored: --resume continues {Path(args.out) / 'train_state.pt'}", file=sys.stderr)
+        else:
+            kept, new = init_from_drafter(drafter, vocab, args.init_from, target)
+            print(f"--init-from {args.init_from}: weights loaded; head rows {kept} kept, {new} new "
+                  f"(target rows mapped into its head)", file=sys.stderr)
     print(f"draft vocabulary: {len(vocab.tokens)} tokens cover {vocab.coverage:.2%} of {vocab.counted} "
           f"training response tokens", file=sys.stderr)
     objective = Eagle3Objective(store, target, drafter, args.ttt_steps, args.step_decay)
