@@ -532,3 +532,21 @@ def test_cli_mains_train_then_calibrate(tmp_path, target, data, cache, monkeypat
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["sts_temperatures"] == pytest.approx(sts["temperatures"]) and cfg["torch_dtype"] == "float16"
     assert load_drafter(out / "drafter", target.config).sts_temperatures.tolist() == pytest.approx(sts["temperatures"])
+
+
+def test_compare_runs_tables_and_plots_evaluations_at_equal_steps(tmp_path, capsys):
+    from specrt.tools.compare_runs import main as compare_main
+
+    for name, taus in (("a", (1.05, 1.20)), ("b", (1.10, 1.31))):
+        (tmp_path / name).mkdir()
+        rows = [{"step": 250 * (i + 1), "loss": 6.0 - i, "acc": [0.1 * (i + 1)], "tau_est": t} for i, t in enumerate(taus)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "plot.png"
+    assert compare_main(["--run", f"one={tmp_path / 'a'}", "--run", f"two={tmp_path / 'b'}", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| two | 500 | 5.000 | 0.200 | 1.310 |" in text and "| one | 250 | 6.000 | 0.100 | 1.050 |" in text
+    assert out.stat().st_size > 0
+    assert compare_main(["--run", "nofolder", "--out", str(out)]) == 2
+    assert compare_main(["--run", f"x={tmp_path / 'missing'}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "NAME=FOLDER" in err and "metrics.jsonl does not exist" in err
