@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
 torch.manual_seed(0)
+
+# pytest-xdist (pyproject's addopts: `-n auto --dist loadfile`) runs one worker per core; the ONNX
+# export tests are single-threaded Python tracing, so they overlap well. Give each worker its share
+# of the cores so the numeric tests do not oversubscribe them (OpenMP threads spin while waiting).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _cores // _workers))
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +57,23 @@ def run_full(model, ids: torch.Tensor, capacity: int | None = None):
     mask = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)
     with torch.no_grad():
         return model(ids, pos, mask, k, v, pos)
+
+
+_REAL_MODEL_FIXTURES = {"default_target", "hf_default_model", "hf_default_tokenizer"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files run first: `slow` ones (export and run the real model), then the files
+    that load the real model, then the rest.
+
+    Under xdist's `--dist loadfile` files are handed out in collection order, so a long file
+    collected last would leave one worker running alone at the end; started first, the short files
+    fill in beside it. The order within a file is kept (the sort is stable).
+    """
+    rank: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            rank[item.path] = 0
+        elif _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            rank[item.path] = min(rank.get(item.path, 1), 1)
+    items.sort(key=lambda item: rank.get(item.path, 2))
