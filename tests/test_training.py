@@ -42,16 +42,17 @@ def tiny_target(seed: int = 0) -> LlamaModel:
     return model
 
 
-def write_dataset(folder: Path, target: LlamaModel, num: int = NUM_SAMPLES, new_tokens: int = 14) -> Path:
+def write_dataset(folder: Path, target: LlamaModel, num: int = NUM_SAMPLES, new_tokens: int = 14,
+                  prefix: str = "s", seed: int = 0) -> Path:
     """Random prompts, responses = the target's greedy continuation, two shards."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, VOCAB - 1, size=int(rng.integers(3, 9))).tolist() for _ in range(num)]
     engine = TorchTargetEngine(target, 64, num)
     responses = generate_autoregressive(engine, prompts, new_tokens, SamplingParams()).tokens
     folder.mkdir(parents=True, exist_ok=True)
     half = num // 2
     for shard, (lo, hi) in enumerate(((0, half), (half, num))):
-        payload = {"ids": [f"s{i}" for i in range(lo, hi)], "prompt": prompts[lo:hi], "response": responses[lo:hi]}
+        payload = {"ids": [f"{prefix}{i}" for i in range(lo, hi)], "prompt": prompts[lo:hi], "response": responses[lo:hi]}
         (folder / f"shard_{shard:05d}.json.gz").write_bytes(gzip.compress(json.dumps(payload).encode()))
     return folder
 
@@ -129,6 +130,43 @@ def test_feature_cache_round_trip_and_resume(tmp_path, target, data, monkeypatch
     fb = wider.batch([0, 1], [3, 5])
     assert fb.taps.shape == (2, int(max(wider.lengths[:2])), 64) and fb.last.shape[-1] == 32
     assert FeatureStore(tmp_path / "f").complete
+
+
+def test_several_data_sets_are_one_store(tmp_path, target, data, cache):
+    from specrt.tools.train_common import feature_store
+    from specrt.tools.train_features import ConcatFeatureStore
+
+    other = write_dataset(tmp_path / "other", target, num=30, new_tokens=9, prefix="o", seed=1)
+    args = train_eagle3.parse_args(common_args(tmp_path / "run", data, cache, 1, "--draft-vocab-size", "40",
+                                               "--intermediate-size", "48", "--data", str(data), str(other)))
+    assert args.data == [data, other]
+    store = feature_store(args, target, [2, 5])
+    assert isinstance(store, ConcatFeatureStore) and len(store) == NUM_SAMPLES + 30 and store.complete
+    first = ensure_features(data, target, [2, 5], cache_dir=cache / dataset_hash_prefix(data), progress=False)
+    second = ensure_features(other, target, [2, 5], cache_dir=cache / dataset_hash_prefix(other), progress=False)
+    for i, (part, j) in {0: (first, 0), 39: (first, 39), 40: (second, 0), 69: (second, 29)}.items():
+        assert store.tokens(i).tolist() == part.tokens(j).tolist()
+        assert store.response(i).tolist() == part.response(j).tolist()
+        assert np.array_equal(store.taps(i, [2, 5]), part.taps(j, [2, 5]))
+    fb = store.batch([39, 40], [2, 5])  # one batch across both sets
+    assert fb.lengths.tolist() == [first.lengths[39], second.lengths[0]]
+    assert torch.equal(fb.taps[1, : second.lengths[0]], torch.from_numpy(second.taps(0, [2, 5]).astype(np.float32)))
+    assert sorted(store.train_indices.tolist() + store.val_indices.tolist()) == list(range(70))
+    held = [int(i) for i in second.val_indices + NUM_SAMPLES]
+    assert held, "the second set should hold some samples out"
+    # interleaved: the first held-out samples cover both sets
+    assert store.val_indices.tolist()[:2] == [39, held[0]]
+    res = train_eagle3.run(args, target)  # a trainer on both sets (2 steps)
+    assert res["summary"]["train_samples"] == 70 - len(store.val_indices) and res["result"].step == 1
+    args.data = [data, data]
+    with pytest.raises(SpecrtError, match="twice"):
+        feature_store(args, target, [2, 5])
+
+
+def dataset_hash_prefix(folder: Path) -> str:
+    from specrt.tools.train_features import dataset_hash
+
+    return dataset_hash(folder)[:16]
 
 
 # -- EAGLE-3 ---------------------------------------------------------------------------------------

@@ -142,11 +142,13 @@ def add_common_args(ap: argparse.ArgumentParser, **defaults: Any) -> None:
              grad_clip=1.0, save_every=200, eval_every=250, val_samples=48, seed=0)
     d.update(defaults)
     g = ap.add_argument_group("training (shared by every drafter)")
-    g.add_argument("--data", type=Path, default=Path(__file__).resolve().parent / "data" / "sharegpt-smollm2",
-                   help="built data set folder (python -m specrt.tools.build_data)")
+    g.add_argument("--data", type=Path, nargs="+", default=[Path(__file__).resolve().parent / "data" / "sharegpt-smollm2"],
+                   help="built data set folder(s) (python -m specrt.tools.build_data); several are trained on as one")
     g.add_argument("--out", type=Path, required=True, help="run folder: state, curves, drafter/")
     g.add_argument("--target", default=None, help="target checkpoint (HF folder or .gguf); default: embedded SmolLM2")
-    g.add_argument("--cache-dir", type=Path, default=None, help="feature cache folder (default ~/.cache/specrt/features/<hash>)")
+    g.add_argument("--cache-dir", type=Path, default=None,
+                   help="feature cache folder (default ~/.cache/specrt/features/<hash>); with several --data, "
+                        "each set's cache is <cache-dir>/<hash>")
     g.add_argument("--epochs", type=float, default=d["epochs"], help="passes over the training split (default: %(default)s; None = the trainer's own)")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step (default %(default)s)")
@@ -186,9 +188,19 @@ def frozen_target(target):
 
 
 def feature_store(args: argparse.Namespace, target, tap_layers: Sequence[int]):
-    from specrt.tools.train_features import ensure_features
+    """The feature store of `--data`: one set's store, or several sets' stores seen as one."""
+    from specrt.tools.train_features import ConcatFeatureStore, dataset_hash, ensure_features
 
-    return ensure_features(args.data, target, tap_layers, cache_dir=args.cache_dir, progress=not args.no_progress)
+    folders = [Path(f) for f in (args.data if isinstance(args.data, (list, tuple)) else [args.data])]
+    if len(folders) == 1:
+        return ensure_features(folders[0], target, tap_layers, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if len({f.resolve() for f in folders}) != len(folders):
+        raise SpecrtError(f"--data names a folder twice: {[str(f) for f in folders]}", "name each data set once")
+    stores = []
+    for folder in folders:
+        cache = None if args.cache_dir is None else Path(args.cache_dir) / dataset_hash(folder)[:16]
+        stores.append(ensure_features(folder, target, tap_layers, cache_dir=cache, progress=not args.no_progress))
+    return ConcatFeatureStore(stores)
 
 
 def all_drafter_taps(num_layers: int) -> list[int]:

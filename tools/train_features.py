@@ -5,6 +5,7 @@
     store.hidden(i, L)              -> fp16 [len_i, H]     hidden_states[L]: the last layer's raw output
     store.batch(indices, layers)    -> FeatureBatch of padded float32 torch tensors
     store.train_indices, store.val_indices                 deterministic 95 / 5 split by id hash
+    ConcatFeatureStore([store_a, store_b])                 several data sets as one (trainers' --data A B)
 
 Why a cache: all three drafters read the same target features (the taps of the prompt + response
 and the last hidden state, whose `lm_head(norm(h_L))` gives the target's logits), and every trainer
@@ -120,7 +121,30 @@ class FeatureBatch:
         return torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
 
 
-class FeatureStore:
+class _Batching:
+    """`batch` for any store with per-sample `tokens`, `taps`, `hidden` and the index arrays."""
+
+    def batch(self, indices: Sequence[int], layers: Sequence[int] | None, with_last: bool = True) -> FeatureBatch:
+        indices = [int(i) for i in indices]
+        n = int(max(self.lengths[i] for i in indices))
+        b = len(indices)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        taps = torch.zeros(b, n, len(layers) * self.hidden_size) if layers else None
+        last = torch.zeros(b, n, self.hidden_size) if with_last else None
+        for row, i in enumerate(indices):
+            m = int(self.lengths[i])
+            tokens[row, :m] = torch.from_numpy(self.tokens(i))
+            if taps is not None:
+                taps[row, :m] = torch.from_numpy(self.taps(i, layers).astype(np.float32))
+            if last is not None:
+                last[row, :m] = torch.from_numpy(self.hidden(i, self.last_layer).astype(np.float32))
+        return FeatureBatch(
+            indices, tokens, torch.tensor([int(self.lengths[i]) for i in indices]),
+            torch.tensor([int(self.prompt_lengths[i]) for i in indices]), taps, last,
+        )
+
+
+class FeatureStore(_Batching):
     """Random access to the cached features of one data set (read-only memmaps)."""
 
     def __init__(self, folder: str | Path) -> None:
@@ -181,25 +205,65 @@ class FeatureStore:
         self._check_layers(layers)
         return np.concatenate([self.hidden(i, l) for l in layers], axis=-1)
 
-    # -- batches ---------------------------------------------------------------------------------
-    def batch(self, indices: Sequence[int], layers: Sequence[int] | None, with_last: bool = True) -> FeatureBatch:
-        indices = [int(i) for i in indices]
-        n = int(max(self.lengths[i] for i in indices))
-        b = len(indices)
-        tokens = torch.zeros(b, n, dtype=torch.long)
-        taps = torch.zeros(b, n, len(layers) * self.hidden_size) if layers else None
-        last = torch.zeros(b, n, self.hidden_size) if with_last else None
-        for row, i in enumerate(indices):
-            m = int(self.lengths[i])
-            tokens[row, :m] = torch.from_numpy(self.tokens(i))
-            if taps is not None:
-                taps[row, :m] = torch.from_numpy(self.taps(i, layers).astype(np.float32))
-            if last is not None:
-                last[row, :m] = torch.from_numpy(self.hidden(i, self.last_layer).astype(np.float32))
-        return FeatureBatch(
-            indices, tokens, torch.tensor([int(self.lengths[i]) for i in indices]),
-            torch.tensor([int(self.prompt_lengths[i]) for i in indices]), taps, last,
-        )
+class ConcatFeatureStore(_Batching):
+    """Several data sets' stores seen as one: global sample i is store k's sample i - start_k.
+
+    The training split is the union of the parts' splits. The held-out indices are interleaved
+    (first held-out sample of each part, then the second, ...) so that "the first N held-out
+    samples" (what the trainers validate on) covers every data set, not only the first one.
+    """
+
+    def __init__(self, stores: Sequence[FeatureStore]) -> None:
+        if not stores:
+            raise SpecrtError("no feature stores to concatenate", "pass at least one --data folder")
+        first = stores[0]
+        for other in stores[1:]:
+            if (other.hidden_size, other.num_layers) != (first.hidden_size, first.num_layers):
+                raise SpecrtError(f"the feature caches {first.folder} and {other.folder} come from different targets",
+                                  "build every --data set's features with the same target")
+        self.parts = list(stores)
+        self.folder = first.folder
+        self.hidden_size, self.num_layers = first.hidden_size, first.num_layers
+        self.tap_layers = sorted(set.intersection(*(set(p.tap_layers) for p in self.parts)))
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])[:-1].astype(np.int64)
+        self.lengths = np.concatenate([p.lengths for p in self.parts])
+        self.prompt_lengths = np.concatenate([p.prompt_lengths for p in self.parts])
+        self.ids = [i for p in self.parts for i in p.ids]
+        self.train_indices = np.concatenate([p.train_indices + s for p, s in zip(self.parts, self.starts)])
+        held = [list(p.val_indices + s) for p, s in zip(self.parts, self.starts)]
+        longest = max(len(h) for h in held)
+        self.val_indices = np.array([h[j] for j in range(longest) for h in held if j < len(h)], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def complete(self) -> bool:
+        return all(p.complete for p in self.parts)
+
+    @property
+    def last_layer(self) -> int:
+        return self.num_layers
+
+    def _locate(self, i: int) -> tuple[FeatureStore, int]:
+        k = int(np.searchsorted(self.starts, int(i), side="right")) - 1
+        return self.parts[k], int(i) - int(self.starts[k])
+
+    def tokens(self, i: int) -> np.ndarray:
+        part, j = self._locate(i)
+        return part.tokens(j)
+
+    def response(self, i: int) -> np.ndarray:
+        part, j = self._locate(i)
+        return part.response(j)
+
+    def hidden(self, i: int, layer: int) -> np.ndarray:
+        part, j = self._locate(i)
+        return part.hidden(j, layer)
+
+    def taps(self, i: int, layers: Sequence[int]) -> np.ndarray:
+        part, j = self._locate(i)
+        return part.taps(j, layers)
 
 
 def _layer_file(layer: int) -> str:
@@ -361,6 +425,7 @@ def ensure_features(
 
 __all__ = [
     "DEFAULT_CACHE_ROOT",
+    "ConcatFeatureStore",
     "FeatureBatch",
     "FeatureStore",
     "dataset_hash",
