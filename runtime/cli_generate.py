@@ -54,7 +54,11 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
     d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
-    d.add_argument("--tree-tokens", type=int, default=16, help="EAGLE-3: verify tokens per step (anchor included)")
+    d.add_argument("--tree-tokens", type=int, default=16,
+                   help="EAGLE-3 and block trees: verify tokens per step (anchor included)")
+    d.add_argument("--block-tree-top-k", type=int, default=1,
+                   help="DSpark/DFlash: candidates per draft position, grown into a tree of --tree-tokens "
+                   "(1: a chain; DSpark trees need --backend torch)")
     d.add_argument("--confidence-threshold", type=float, default=0.1,
                    help="DSpark/DFlash/EAGLE-3 chains (--tree-top-k 1): verify drafts while their survival "
                    "probability stays above this")
@@ -98,11 +102,12 @@ def explicit_draft_options(args: argparse.Namespace):
     from specrt.runtime.proposers.factory import DraftOptions
 
     given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold",
-                                        "--max-drafts"))
+                                        "--max-drafts", "--block-tree-top-k"))
     if args.engines and not given:
         return None
     return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
-                        getattr(args, "max_drafts", None))  # serve/calibrate reuse this without --max-drafts
+                        getattr(args, "max_drafts", None),  # serve/calibrate reuse this without --max-drafts
+                        block_tree_top_k=args.block_tree_top_k)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
     # validate everything cheap before loading anything
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts)
+    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts,
+                 block_tree_top_k=args.block_tree_top_k)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
     resolve_backend(args)

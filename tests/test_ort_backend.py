@@ -95,6 +95,40 @@ def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, ki
     assert batched.tokens == plain.tokens
 
 
+def test_dflash_trees_on_engines_equal_plain_and_dspark_trees_ask_for_torch(folders):
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
+    tree = DraftOptions(tree_tokens=8, block_tree_top_k=3)
+    ort_pipe = Pipeline.from_engines(folders["engines"]["dflash"], draft_options=tree)
+    got = ort_pipe.generate_ids(PROMPTS, 24)
+    assert got.tokens == plain.tokens
+    with pytest.raises(SpecrtError, match="--backend torch"):
+        Pipeline.from_engines(folders["engines"]["dspark"], draft_options=tree)
+
+
+def test_int8_activation_engines_turn_every_tree_into_a_chain(monkeypatch):
+    """Engines that decode with two rows for exactness (int4/int8 activations) draft chains, for
+    block drafters as for EAGLE-3 (the reason is in `exact_chain_options`)."""
+    import types
+    from pathlib import Path
+
+    from specrt.runtime.backends.ort_backend import OrtEngines
+    from specrt.runtime.proposers import factory
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    seen = []
+    monkeypatch.setattr(factory, "proposer_for", lambda kind, drafter, options: seen.append(options))
+    target = types.SimpleNamespace(two_row_decode=True)
+    for kind in ("dflash", "eagle3"):
+        engines = OrtEngines(Path("x"), None, target, object(), kind, None, None)
+        engines.proposer(DraftOptions(tree_top_k=4, block_tree_top_k=3))
+        assert (seen[-1].tree_top_k, seen[-1].block_tree_top_k) == ((4, 1) if kind == "dflash" else (1, 3))
+    target.two_row_decode = False
+    engines.proposer(DraftOptions(tree_top_k=4, block_tree_top_k=3))
+    assert (seen[-1].tree_top_k, seen[-1].block_tree_top_k) == (4, 3)
+
+
 def torch_spec_options(pipe: Pipeline):
     from specrt.runtime.proposers.factory import DraftOptions
 

@@ -45,16 +45,18 @@ def eagle3(target: LlamaModel, draft_vocab: int | None = None, seed: int = 1, to
     return Eagle3Proposer(drafter, top_k=top_k, depth=4, total_tokens=10, threshold=threshold)
 
 
-def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0, max_drafts: int | None = None) -> BlockProposer:
+def block(target: LlamaModel, kind: str, seed: int = 2, threshold: float = 0.0, max_drafts: int | None = None,
+          tree_top_k: int = 1, tree_tokens: int = 10, markov_variant: str = "vanilla") -> BlockProposer:
     torch.manual_seed(seed)
     if kind == "dflash":
         drafter = DFlashDrafter(DFlashConfig.for_target(target.config, num_layers=1, block_size=5, num_taps=3))
     else:
         drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=1, block_size=5, num_taps=3,
-                                                        markov_rank=16))
+                                                        markov_rank=16, markov_variant=markov_variant))
     drafter.init_from_target(target)
     drafter.bind_target(target.embed_tokens, target.lm_head)
-    return BlockProposer(drafter.eval(), threshold=threshold, max_drafts=max_drafts)
+    return BlockProposer(drafter.eval(), threshold=threshold, max_drafts=max_drafts, tree_top_k=tree_top_k,
+                         tree_tokens=tree_tokens)
 
 
 class OracleProposer:
@@ -111,9 +113,10 @@ def plain(target, prompts, n, sampling=SamplingParams()):
     lambda t: eagle3(t), lambda t: eagle3(t, draft_vocab=40), lambda t: block(t, "dflash"),
     lambda t: block(t, "dspark"), lambda t: block(t, "dspark", threshold=0.2),
     lambda t: block(t, "dflash", threshold=0.05, max_drafts=2), lambda t: eagle3(t, draft_vocab=40, top_k=1),
-    lambda t: eagle3(t, top_k=1, threshold=0.3),
+    lambda t: eagle3(t, top_k=1, threshold=0.3), lambda t: block(t, "dflash", tree_top_k=3),
+    lambda t: block(t, "dspark", tree_top_k=3), lambda t: block(t, "dspark", tree_top_k=2, markov_variant="gru"),
 ], ids=["eagle3", "eagle3-draftvocab", "dflash", "dspark", "dspark-truncated", "dflash-capped", "eagle3-chain",
-        "eagle3-chain-truncated"])
+        "eagle3-chain-truncated", "dflash-tree", "dspark-tree", "dspark-gru-tree"])
 @pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batch3"])
 def test_greedy_equals_plain_decoding(target, make, batched):
     proposer = make(target)
@@ -152,6 +155,55 @@ def test_eagle3_chain_path_equals_the_tree_builder_at_top_k_1(target):
     assert len(short) == 1 and torch.equal(short.tokens, tree.tokens[:1])
     proposer.threshold = float(tree.survival[0]) + 1e-6
     assert len(proposer.propose([0], [3], SamplingParams(), None)[0]) == 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_tree_candidates_are_each_positions_top_k(target, kind):
+    """A block tree's children are the top-k of their depth's distribution (DSpark: given the parent's
+    token through the Markov head); the tree keeps tree_tokens - 1 nodes and no deeper than the block."""
+    from specrt.runtime.generate import prefill
+
+    proposer = block(target, kind, tree_top_k=3, tree_tokens=12)
+    proposer.reset(1, 128)
+    engine = TorchTargetEngine(target, 128)
+    engine.set_taps(proposer.tap_layers)
+    _, taps = prefill(engine, [PROMPTS[0]])
+    proposer.observe([0], [PROMPTS[0]], [taps[0, :len(PROMPTS[0])]], [3])
+    tree = proposer.propose([0], [3], SamplingParams(), None)[0]
+    assert not tree.is_chain and len(tree) == 11 and tree.depth <= proposer.max_drafts
+    depths = [0] * len(tree)
+    for i, p in enumerate(tree.parents.tolist()):
+        depths[i] = 1 if p < 0 else depths[p] + 1
+    drafter = proposer.drafter
+    start = proposer.lengths[0]
+    positions = (start + torch.arange(proposer.block_size))[None]
+    slots = torch.arange(start + proposer.block_size)[None, None]
+    mask = slots.expand(1, proposer.block_size, -1) < start + proposer.block_size
+    with torch.no_grad():
+        logits, hidden = drafter(drafter.block_ids(torch.tensor([3])), positions, mask, proposer.k_cache,
+                                 proposer.v_cache, positions)
+    for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        if kind == "dflash":
+            dist = logits[0, depths[i]]  # block index k predicts depth k
+        else:
+            prev = torch.tensor([3 if parent < 0 else int(tree.tokens[parent])])
+            dist, _ = drafter.markov_head.step(logits[0, depths[i] - 1][None], prev, hidden[0, depths[i] - 1][None])
+            dist = dist[0]
+        assert token in torch.topk(dist.float(), 3).indices.tolist(), (i, depths[i])
+    survival = tree.survival.tolist()
+    assert all(survival[i] <= survival[p] + 1e-6 for i, p in enumerate(tree.parents.tolist()) if p >= 0)
+
+
+def test_dspark_trees_need_the_markov_head(target):
+    import types
+
+    from specrt.export.errors import SpecrtError
+
+    proposer = block(target, "dspark")
+    exported_like = types.SimpleNamespace(kind="dspark", config=proposer.drafter.config, block_size=5, num_drafts=5,
+                                          device=torch.device("cpu"))
+    with pytest.raises(SpecrtError, match="--backend torch"):
+        BlockProposer(exported_like, tree_top_k=2)
 
 
 def test_capped_block_proposals_respect_the_cap(target):
@@ -274,11 +326,16 @@ def small_target():
     return model
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "dflash-tree", "dspark-tree"])
 def test_sampling_matches_the_target_distribution(small_target, kind):
     params = SamplingParams(temperature=0.9, top_k=5, seed=1234)
     prompt = [1, 4, 2]
-    proposer = eagle3(small_target) if kind == "eagle3" else block(small_target, kind, threshold=0.05)
+    if kind == "eagle3":
+        proposer = eagle3(small_target)
+    elif kind.endswith("-tree"):
+        proposer = block(small_target, kind.removesuffix("-tree"), tree_top_k=2, tree_tokens=6)
+    else:
+        proposer = block(small_target, kind, threshold=0.05)
     exact = exact_first_tokens(small_target, prompt, params, 3)
     assert chi_square_pvalue(sampled(small_target, proposer, prompt, params, 3), exact, 3) > 1e-3
 

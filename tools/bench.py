@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=int, default=None)
     p.add_argument("--confidence-threshold", type=float, default=None)
     p.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: drafts per step at most")
+    p.add_argument("--block-tree-top-k", type=int, default=None,
+                   help="DSpark/DFlash: candidates per position, a tree of --tree-tokens (default 1: a chain)")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--seed", type=int, default=0)
 
@@ -94,6 +96,7 @@ def draft_options(args: argparse.Namespace, base=None):
         args.tree_tokens if args.tree_tokens is not None else base.tree_tokens,
         args.confidence_threshold if args.confidence_threshold is not None else base.confidence_threshold,
         getattr(args, "max_drafts", None) or base.max_drafts,  # bench-serving reuses this without --max-drafts
+        block_tree_top_k=getattr(args, "block_tree_top_k", None) or base.block_tree_top_k,
     )
 
 

@@ -56,8 +56,11 @@ class OrtEngines:
         if self.drafter is None:
             return None
         options = options or manifest_draft_defaults(self.manifest.data)
-        if self.drafter_kind == "eagle3" and self.target.two_row_decode and options.tree_top_k > 1:
-            options = exact_chain_options(options)
+        if self.target.two_row_decode:
+            if self.drafter_kind == "eagle3" and options.tree_top_k > 1:
+                options = exact_chain_options(options)
+            elif self.drafter_kind != "eagle3" and options.block_tree_top_k > 1:
+                options = exact_block_chain_options(options)
         return proposer_for(self.drafter_kind, self.drafter, options)
 
 
@@ -75,6 +78,17 @@ def exact_chain_options(options):
         "int8-activation engine: EAGLE-3 drafts a chain (tree top-k %d -> 1) so the output stays identical "
         "to plain decoding", options.tree_top_k)
     return dataclasses.replace(options, tree_top_k=1, tree_tokens=options.tree_depth + 1)
+
+
+def exact_block_chain_options(options):
+    """DFlash/DSpark trees fall back to chains on int8-activation engines, for the reason above."""
+    import dataclasses
+    import logging
+
+    logging.getLogger("specrt").warning(
+        "int8-activation engine: the block drafter drafts a chain (block tree top-k %d -> 1) so the output stays "
+        "identical to plain decoding", options.block_tree_top_k)
+    return dataclasses.replace(options, block_tree_top_k=1)
 
 
 def manifest_draft_defaults(data: dict[str, Any]):

@@ -14,6 +14,22 @@ the longest prefix whose calibrated survival prod sigmoid(z_i / T_i) stays >= `t
 
 All rows of the batch run together; rows that are not drafting this round get a dummy block at
 position 0 (their requests are finished, so overwriting their slots costs nothing).
+
+Trees (`tree_top_k > 1`): the same single drafter forward, then an EAGLE-2 dynamic tree
+(`specrt.runtime.tree.build_dynamic_tree`) over the block's per-position distributions instead of
+one argmax per position. Why: a small block drafter is often right about a position's token only
+among its first few candidates (a 1-layer DFlash's top-1 is right .23 of the time on MT-bench),
+and one verify pass can check several candidates per depth for the price of a few more rows.
+- DFlash: position k's distribution does not depend on the tokens drafted before it, so every
+  node at depth d gets the same candidate children (the top-k of position d+1): a Medusa-style
+  tree, pruned to `tree_tokens - 1` nodes by path probability.
+- DSpark: a child's distribution is the Markov head's step from its parent's token (and, for the
+  GRU head, the state of the path so far): one batched head step per tree level, no backbone call.
+Children are chosen deterministically (top-k), so verification treats them as point masses
+(`draft_probs` None) at every temperature, which is lossless (`specrt.runtime.verify`). Survival
+is the path probability, as for EAGLE-3 trees; the confidence threshold cuts chains only. The
+exported DSpark graph runs its Markov chain inside the graph, so DSpark trees need the torch
+drafter (DFlash trees run on both backends).
 """
 
 from __future__ import annotations
@@ -22,10 +38,12 @@ from typing import Sequence
 
 import torch
 
+from specrt.export.errors import SpecrtError
 from specrt.export.models.dflash import DFlashDrafter
 from specrt.export.models.dspark import DSparkDrafter
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
+from specrt.runtime.tree import DraftTree, build_dynamic_tree
 
 
 def pad_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -45,7 +63,8 @@ def pad_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
 
 class BlockProposer:
-    def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0, max_drafts: int | None = None) -> None:
+    def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0, max_drafts: int | None = None,
+                 tree_top_k: int = 1, tree_tokens: int = 16) -> None:
         self.drafter = drafter
         self.is_dspark = isinstance(drafter, DSparkDrafter) or getattr(drafter, "kind", None) == "dspark"
         self.name = "dspark" if self.is_dspark else "dflash"
@@ -55,7 +74,15 @@ class BlockProposer:
         self.max_drafts = min(drafter.num_drafts, max_drafts) if max_drafts else drafter.num_drafts
         self.threshold = float(threshold)
         self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
-        self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark round
+        self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark chain round
+        self.tree_top_k, self.tree_tokens = int(tree_top_k), int(tree_tokens)
+        if self.tree_top_k < 1 or self.tree_tokens < 2:
+            raise SpecrtError(f"bad block tree settings top_k={tree_top_k} tokens={tree_tokens}",
+                              "use --block-tree-top-k >= 1 (1 = a chain) and --tree-tokens >= 2")
+        if self.tree_top_k > 1 and self.is_dspark and not hasattr(drafter, "markov_head"):
+            raise SpecrtError("a DSpark draft tree needs the drafter's Markov head, and the exported DSpark "
+                              "graph runs its Markov chain inside the graph",
+                              "use --backend torch for DSpark trees, or --block-tree-top-k 1 (a chain)")
 
     def reset(self, batch_size: int, capacity: int) -> None:
         self.batch_size = batch_size
@@ -94,6 +121,8 @@ class BlockProposer:
         mask = mask.expand(batch, bk, window)
         block = self.drafter.block_ids(anchor).to(self.device)
         args = (block, positions.to(self.device), mask.to(self.device), self.k_cache, self.v_cache, positions.to(self.device))
+        if self.tree_top_k > 1:
+            return self._trees(rows, anchor, args)
         if self.is_dspark:
             temperature = 0.0 if sampling.greedy else sampling.temperature
             tokens, probs, conf = self.drafter.draft(*args, temperature=temperature, generator=generator)
@@ -126,3 +155,49 @@ class BlockProposer:
             out.append(Proposal.chain(tokens[b, :n].cpu(), None if probs is None else probs[b, :n].cpu(),
                                       survival[b, :n].float().cpu()))
         return out
+
+    # -- trees ------------------------------------------------------------------------------------
+    def _trees(self, rows, anchor: torch.Tensor, args) -> list[Proposal]:
+        """One drafter forward for the batch, then one dynamic tree per row (module docstring)."""
+        logits, hidden = self.drafter(*args)
+        out = []
+        for b in rows:
+            if self.is_dspark:
+                tree = self._markov_tree(logits[b], hidden[b], int(anchor[b]))
+            else:
+                per_depth = logits[b, 1:]  # block index k predicts depth k
+
+                def expand(frontier: list[int], pool: DraftTree, per_depth=per_depth) -> torch.Tensor:
+                    depth = int(pool.depths[frontier[0]])  # a frontier is one level of the tree
+                    return per_depth[depth].float().cpu().expand(len(frontier), -1)
+
+                tree = build_dynamic_tree(per_depth[0].float().cpu(), expand, self.tree_top_k, self.max_drafts,
+                                          self.tree_tokens)
+            out.append(Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
+                                survival=tree.cum_logprobs.exp().float()))
+        return out
+
+    def _markov_tree(self, base: torch.Tensor, hidden: torch.Tensor, anchor: int) -> DraftTree:
+        """DSpark: base [Bk, V] (index k predicts depth k+1) plus the Markov head's step per tree level."""
+        head = self.drafter.markov_head
+        dev = base.device
+        state_after: dict[int, torch.Tensor | None] = {}  # pool id (-1: the anchor) -> head state after its token
+
+        def step(depth: int, tokens: torch.Tensor, state: torch.Tensor | None):
+            n = int(tokens.shape[0])
+            return head.step(base[depth - 1].expand(n, -1), tokens.to(dev), hidden[depth - 1].expand(n, -1), state)
+
+        root, root_state = step(1, torch.tensor([anchor]), None)
+        state_after[-1] = None if root_state is None else root_state[0]
+
+        def expand(frontier: list[int], pool: DraftTree) -> torch.Tensor:
+            depth = int(pool.depths[frontier[0]])
+            parents = [int(pool.parents[f]) for f in frontier]
+            states = [state_after[p] for p in parents]
+            state = None if states[0] is None else torch.stack(states)
+            logits, new_state = step(depth + 1, pool.tokens[frontier], state)
+            for i, f in enumerate(frontier):
+                state_after[f] = None if new_state is None else new_state[i]
+            return logits.float().cpu()
+
+        return build_dynamic_tree(root[0].float().cpu(), expand, self.tree_top_k, self.max_drafts, self.tree_tokens)

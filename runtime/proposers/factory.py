@@ -24,6 +24,8 @@ class DraftOptions:
     # DSpark / DFlash / EAGLE-3 chains: keep drafts while the survival stays above this
     confidence_threshold: float = 0.1
     max_drafts: int | None = None  # DSpark / DFlash: at most this many drafts per step (None: the block)
+    # DSpark / DFlash: candidates per tree node (1 = a chain); a tree has tree_tokens - 1 nodes at most
+    block_tree_top_k: int = 1
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -31,6 +33,9 @@ class DraftOptions:
                 f"bad tree settings top_k={self.tree_top_k} depth={self.tree_depth} tokens={self.tree_tokens}",
                 "use --tree-top-k >= 1, --tree-depth >= 1 and --tree-tokens >= 2",
             )
+        if self.block_tree_top_k < 1:
+            raise SpecrtError(f"--block-tree-top-k must be >= 1, got {self.block_tree_top_k}",
+                              "use 1 for a chain of drafts, or more candidates per position for a tree")
         if self.max_drafts is not None and self.max_drafts < 1:
             raise SpecrtError(f"--max-drafts must be >= 1, got {self.max_drafts}", "pass a positive draft count")
         if not 0.0 <= self.confidence_threshold <= 1.0:
@@ -82,4 +87,5 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
         # the threshold only cuts chains (top_k 1); trees rank their nodes by path probability instead
         return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens,
                               threshold=options.confidence_threshold)
-    return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts)
+    return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts,
+                         tree_top_k=options.block_tree_top_k, tree_tokens=options.tree_tokens)

@@ -16,7 +16,8 @@ def load_pipeline(args: argparse.Namespace):
     from specrt.runtime.cli_generate import build_pipeline, explicit_draft_options
     from specrt.runtime.proposers.factory import DraftOptions
 
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold)
+    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
+                 block_tree_top_k=args.block_tree_top_k)
     if args.threads:
         torch.set_num_threads(args.threads)
     return build_pipeline(args, explicit_draft_options(args))
