@@ -142,7 +142,9 @@ def add_common_args(ap: argparse.ArgumentParser, **defaults: Any) -> None:
              grad_clip=1.0, save_every=200, eval_every=250, val_samples=48, seed=0)
     d.update(defaults)
     g = ap.add_argument_group("training (shared by every drafter)")
-    g.add_argument("--data", type=Path, nargs="+", default=[Path(__file__).resolve().parent / "data" / "sharegpt-smollm2"],
+    from specrt.tools.build_data import DEFAULT_OUT
+
+    g.add_argument("--data", type=Path, nargs="+", default=[DEFAULT_OUT],
                    help="built data set folder(s) (python -m specrt.tools.build_data); several are trained on as one")
     g.add_argument("--out", type=Path, required=True, help="run folder: state, curves, drafter/")
     g.add_argument("--target", default=None, help="target checkpoint (HF folder or .gguf); default: embedded SmolLM2")

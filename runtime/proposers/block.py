@@ -165,14 +165,14 @@ class BlockProposer:
             if self.is_dspark:
                 tree = self._markov_tree(logits[b], hidden[b], int(anchor[b]))
             else:
-                per_depth = logits[b, 1:]  # block index k predicts depth k
+                # block index k predicts depth k; one host copy of the depths the tree can reach
+                per_depth = logits[b, 1:self.max_drafts + 1].float().cpu()
 
                 def expand(frontier: list[int], pool: DraftTree, per_depth=per_depth) -> torch.Tensor:
                     depth = int(pool.depths[frontier[0]])  # a frontier is one level of the tree
-                    return per_depth[depth].float().cpu().expand(len(frontier), -1)
+                    return per_depth[depth].expand(len(frontier), -1)
 
-                tree = build_dynamic_tree(per_depth[0].float().cpu(), expand, self.tree_top_k, self.max_drafts,
-                                          self.tree_tokens)
+                tree = build_dynamic_tree(per_depth[0], expand, self.tree_top_k, self.max_drafts, self.tree_tokens)
             out.append(Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
                                 survival=tree.cum_logprobs.exp().float()))
         return out
