@@ -516,6 +516,40 @@ def test_block_trainers(tmp_path, target, data, cache, kind):
     assert_lossless(target, BlockProposer(drafter, threshold=0.1 if kind == "dspark" else 0.0))
 
 
+def test_init_from_starts_a_block_drafter_from_a_trained_one(tmp_path, target, data, cache):
+    """--init-from takes the start drafter's weights and shape (no architecture flags needed), resets
+    DSpark's STS temperatures, trains on with a fresh optimizer, and refuses a contradicting flag."""
+    shape = ["--num-taps", "3", "--block-size", "3", "--markov-rank", "8"]
+    common = ["--kind", "dspark", "--blocks-per-seq", "3", "--lr", "3e-3", "--no-sts", "--batch-size", "4"]
+    first = train_dflash.run(train_dflash.parse_args(common_args(tmp_path / "a", data, cache, 6, *common, *shape)),
+                             target)
+    start = tmp_path / "a" / "drafter"
+    cfg = json.loads((start / "config.json").read_text())
+    cfg["sts_temperatures"] = [2.0, 2.0, 2.0]  # as if calibrated: must not survive into the new run
+    (start / "config.json").write_text(json.dumps(cfg))
+
+    copied = train_dflash.run(train_dflash.parse_args(
+        common_args(tmp_path / "b", data, cache, 4, *common, "--init-from", str(start), "--stop-at-step", "0")), target)
+    assert copied["summary"]["args"]["block_size"] == 3 and copied["summary"]["args"]["markov_rank"] == 8
+    a, b = first["drafter"].state_dict(), copied["drafter"].state_dict()
+    for name in a:
+        if name != "sts_temperatures":
+            torch.testing.assert_close(a[name].half().float(), b[name], atol=0, rtol=0)  # the fp16 checkpoint
+    assert torch.equal(b["sts_temperatures"], torch.ones(3))
+
+    trained = train_dflash.run(train_dflash.parse_args(
+        common_args(tmp_path / "c", data, cache, 3, *common, "--init-from", str(start))), target)
+    assert trained["result"].step == 3 and trained["result"].finished
+    assert load_drafter(tmp_path / "c" / "drafter", target.config).config.markov_rank == 8
+
+    with pytest.raises(SpecrtError, match="--block-size 4"):
+        train_dflash.run(train_dflash.parse_args(
+            common_args(tmp_path / "d", data, cache, 2, *common, "--init-from", str(start), "--block-size", "4")), target)
+    with pytest.raises(SpecrtError, match="unexpected tensors"):
+        train_dflash.run(train_dflash.parse_args(
+            common_args(tmp_path / "e", data, cache, 2, "--kind", "dflash", "--init-from", str(start))), target)
+
+
 def test_resume_continues_from_the_saved_step(tmp_path, target, data, cache):
     extra = ["--kind", "dspark", "--num-taps", "3", "--block-size", "3", "--markov-rank", "8", "--blocks-per-seq",
              "3", "--lr", "3e-3", "--no-sts", "--batch-size", "4"]

@@ -4,7 +4,7 @@
     python -m specrt.tools.train_dflash --kind dspark --data tools/data/sharegpt-smollm2 --out runs/dspark
         [--num-layers 1] [--block-size 16|7] [--blocks-per-seq 8|16] [--markov-rank 64]
         [--markov-variant vanilla] [--epochs 4|3] [--batch-size 4] [--lr 6e-4] [--max-minutes 110]
-        [--threads 1] [--resume]
+        [--threads 1] [--resume] [--init-from DRAFTER_FOLDER]
 
 Backbone (DESIGN.md section 3; z-lab/dflash, deepseek-ai/DeepSpec): the fused taps H_ctx =
 hidden_norm(fc(taps)) of every position of a sequence enter each layer as keys/values, computed
@@ -19,7 +19,9 @@ tokens, the keys [context K/V of the T positions ; the nb*Bk block K/V], and the
 causally), nothing else, which is what one block sees at inference. The forward is the
 drafter's own inference code (`ingest_context` + `backbone` on explicit per-layer caches), so
 training and drafting cannot drift apart. The target's embedding and LM head are shared and frozen;
-the drafter layers start from the target's last `--num-layers` layers (`init_from_target`).
+the drafter layers start from the target's last `--num-layers` layers (`init_from_target`), or,
+with `--init-from FOLDER`, from a trained drafter of the same kind: its shape and weights, a fresh
+optimizer and schedule (to train a shipped drafter on more or other data).
 
 DFlash objective: block index k predicts the token at a+k (k >= 1, Bk-1 drafts); cross entropy
 against the data token (the target's greedy output) weighted exp(-(k-1)/gamma). The paper uses
@@ -283,16 +285,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("DFlash / DSpark")
     g.add_argument("--kind", choices=("dflash", "dspark"), default="dflash")
-    g.add_argument("--num-layers", type=int, default=1, help="drafter layers (default %(default)s)")
+    g.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER_FOLDER",
+                   help="start from a trained drafter of this --kind (its architecture, fresh optimizer and schedule), "
+                        "e.g. the shipped one, to train on new data; --resume wins when the run has a state")
+    g.add_argument("--num-layers", type=int, default=None, help="drafter layers (default 1)")
     g.add_argument("--block-size", type=int, default=None, help="DFlash block (16) / DSpark gamma (7)")
-    g.add_argument("--num-taps", type=int, default=5, help="target layers tapped (z-lab spread)")
+    g.add_argument("--num-taps", type=int, default=None, help="target layers tapped (default 5, z-lab's spread)")
     g.add_argument("--blocks-per-seq", type=int, default=None, help="anchors per sequence and step (dflash 8, dspark 16)")
     g.add_argument("--loss-gamma", type=float, default=None, help="position-weight decay (default: 7*Bk/16, dspark 4*Bk/7)")
     g.add_argument("--mask-token-id", type=int, default=None, help="MASK token (default: the last vocabulary id)")
     g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     g.add_argument("--no-init-from-target", action="store_true", help="random layers instead of the target's last ones")
-    g.add_argument("--markov-rank", type=int, default=DEFAULT_MARKOV_RANK, help="DSpark Markov rank (default %(default)s)")
-    g.add_argument("--markov-variant", choices=MARKOV_VARIANTS, default="vanilla")
+    g.add_argument("--markov-rank", type=int, default=None, help=f"DSpark Markov rank (default {DEFAULT_MARKOV_RANK})")
+    g.add_argument("--markov-variant", choices=MARKOV_VARIANTS, default=None, help="DSpark Markov head (default vanilla)")
     g.add_argument("--ce-weight", type=float, default=0.1, help="DSpark CE weight")
     g.add_argument("--tv-weight", type=float, default=0.9, help="DSpark TV weight")
     g.add_argument("--conf-weight", type=float, default=1.0, help="DSpark confidence BCE weight")
@@ -303,16 +308,66 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = DEFAULTS[args.kind]
     if args.epochs is None:
         args.epochs = defaults["epochs"]
-    if args.block_size is None:
-        args.block_size = defaults["block_size"]
     if args.blocks_per_seq is None:
         args.blocks_per_seq = defaults["blocks_per_seq"]
-    if args.loss_gamma is None:
-        args.loss_gamma = default_loss_gamma(args.kind, args.block_size)
     return args
 
 
+# The drafter's shape: (argument, config field, default). With --init-from the start drafter's
+# config fills what the command line leaves open, and a flag that contradicts it is refused.
+ARCHITECTURE = (
+    ("num_layers", "num_layers", 1),
+    ("block_size", "block_size", None),  # per kind: DEFAULTS
+    ("num_taps", "tap_layers", 5),  # compared as len(tap_layers)
+    ("intermediate_size", "intermediate_size", None),  # None: the target's
+    ("mask_token_id", "mask_token_id", None),  # None: the last vocabulary id
+    ("markov_rank", "markov_rank", DEFAULT_MARKOV_RANK),
+    ("markov_variant", "markov_variant", "vanilla"),
+)
+
+
+def resolve_architecture(args: argparse.Namespace, start: DFlashConfig | None) -> None:
+    """Fill the architecture arguments left at None: from `start` (the --init-from drafter's config)
+    when there is one, else from the defaults; then the loss decay that depends on the block size."""
+    for name, field_name, default in ARCHITECTURE:
+        if args.kind == "dflash" and name.startswith("markov"):
+            continue
+        if start is not None:
+            value = getattr(start, field_name)
+            value = len(value) if field_name == "tap_layers" else value
+            given = getattr(args, name)
+            if given is not None and given != value:
+                flag = "--" + name.replace("_", "-")
+                raise SpecrtError(f"--init-from {args.init_from}: its {field_name} is {value}, but {flag} {given} "
+                                  "was given", f"drop {flag} (the start drafter's shape is kept) or start from scratch")
+            setattr(args, name, value)
+        elif getattr(args, name) is None:
+            setattr(args, name, DEFAULTS[args.kind]["block_size"] if name == "block_size" else default)
+    if args.loss_gamma is None:
+        args.loss_gamma = default_loss_gamma(args.kind, args.block_size)
+
+
+def load_start_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
+    """The --init-from drafter in fp32, bound to the target. With --resume and a saved state the
+    loop then loads the state over these weights (the start only fixes the shape). DSpark's STS
+    temperatures go back to 1: they belong to the old weights and are refitted after training."""
+    from specrt.export.checkpoints.drafters import load_drafter
+
+    drafter = load_drafter(args.init_from, target.config, kind=args.kind).float().train()
+    resolve_architecture(args, drafter.config)
+    if isinstance(drafter, DSparkDrafter):
+        drafter.sts_temperatures.fill_(1.0)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    print(f"--init-from {args.init_from}: {args.kind} drafter loaded ({args.num_layers} layer(s), block "
+          f"{args.block_size}); a fresh optimizer and schedule", file=sys.stderr)
+    return drafter
+
+
 def build_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
+    """A new drafter from the arguments (layers from the target's last ones), or the --init-from one."""
+    if args.init_from is not None:
+        return load_start_drafter(args, target)
+    resolve_architecture(args, None)
     cfg = target.config
     torch.manual_seed(args.seed)
     if args.kind == "dflash":
