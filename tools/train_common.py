@@ -450,7 +450,8 @@ def write_curves(out: Path, history: dict[str, list[dict[str, Any]]]) -> None:
     ax.set_ylabel("loss")
     ax.set_title(out.name)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val:  # a run stopped before its first step has nothing to label
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out / "loss_curve.png", dpi=110)
     plt.close(fig)
