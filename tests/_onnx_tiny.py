@@ -53,8 +53,9 @@ def make_drafters(target: LlamaModel, seed: int = 1) -> dict[str, torch.nn.Modul
     eagle.t2d.zero_()
     eagle.t2d[targets] = True
     dflash = DFlashDrafter(DFlashConfig.for_target(cfg, num_layers=2, block_size=4, num_taps=3, intermediate_size=40))
+    # DSpark with more K/V heads than the target (4 against 2): graphs and caches follow the drafter's own width
     dspark = DSparkDrafter(DSparkConfig.for_target(cfg, num_layers=2, block_size=4, num_taps=3, intermediate_size=40,
-                                                   markov_rank=8))
+                                                   markov_rank=8, num_kv_heads=4))
     dspark.sts_temperatures.copy_(torch.tensor([1.0, 1.3, 0.8, 1.6]))
     out = {"eagle3": eagle, "dflash": dflash, "dspark": dspark}
     for i, (kind, d) in enumerate(out.items()):

@@ -319,7 +319,8 @@ def test_sts_lowers_the_ece_of_an_overconfident_head():
 # -- the trainers end to end -------------------------------------------------------------------------
 def common_args(out: Path, data: Path, cache: Path, steps: int, *extra: str) -> list[str]:
     return ["--data", str(data), "--out", str(out), "--cache-dir", str(cache), "--steps", str(steps),
-            "--no-progress", "--val-samples", "4", "--eval-every", "1000", "--save-every", "5", *extra]
+            "--no-progress", "--val-samples", "4", "--eval-every", "1000", "--save-every", "5",
+            "--precision", "fp32", *extra]  # fp32 unless a test asks: the numbers must not depend on the CPU
 
 
 def first_last(history, k=5):
@@ -622,3 +623,116 @@ def test_compare_runs_tables_and_plots_evaluations_at_equal_steps(tmp_path, caps
     assert compare_main(["--run", f"x={tmp_path / 'missing'}", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "NAME=FOLDER" in err and "metrics.jsonl does not exist" in err
+
+
+# -- precision ------------------------------------------------------------------------------------
+def test_resolve_precision():
+    from specrt.tools.train_common import resolve_precision
+
+    assert resolve_precision("fp32") == "fp32" and resolve_precision("bf16") == "bf16"
+    assert resolve_precision("auto", "cuda:0") == "bf16"
+    assert resolve_precision("auto") in ("fp32", "bf16")
+    with pytest.raises(SpecrtError, match="--precision"):
+        resolve_precision("fp8")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_bf16_forward_is_close_to_fp32_and_labels_stay_fp32(tmp_path, target, data, cache, kind):
+    """The same batch under bf16 autocast: the loss moves by bf16 rounding only, the target's label
+    distributions are computed in fp32 (bitwise the same as without autocast)."""
+    from specrt.tools.train_common import autocast, step_generator
+
+    if kind == "eagle3":
+        module, extra = train_eagle3, ["--draft-vocab-size", "40", "--intermediate-size", "48"]
+    else:
+        module, extra = train_dflash, ["--kind", "dspark", "--num-taps", "3", "--block-size", "4",
+                                       "--markov-rank", "8", "--blocks-per-seq", "4"]
+    args = module.parse_args(common_args(tmp_path / kind, data, cache, 1, *extra))
+    prep = module.prepare(args, target)
+    batch = prep.plan(0)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        with autocast(precision):
+            loss, _ = prep.objective.loss(prep.drafter, batch, step_generator(0, 0))
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in prep.drafter.parameters() if p.grad is not None]
+        prep.drafter.zero_grad(set_to_none=True)
+        losses[precision] = (float(loss.detach()), grads)
+    f32, b16 = losses["fp32"][0], losses["bf16"][0]
+    assert f32 != b16, "autocast did not change the forward"
+    assert abs(f32 - b16) <= 0.03 * abs(f32), (f32, b16)
+    for g32, g16 in zip(losses["fp32"][1], losses["bf16"][1]):
+        assert torch.nn.functional.cosine_similarity(g32.flatten(), g16.flatten(), dim=0) > 0.95
+    if kind == "eagle3":  # the label path: target logits over the draft vocabulary, fp32 under autocast
+        h = torch.randn(3, target.config.hidden_size)
+        ref = prep.objective.target_norm(h).float() @ prep.objective.head.T
+        from specrt.tools.train_common import full_precision
+
+        with autocast("bf16"), full_precision():
+            got = prep.objective.target_norm(h).float() @ prep.objective.head.T
+        assert got.dtype == torch.float32 and torch.equal(got, ref)
+
+
+def test_eagle3_trainer_learns_in_bf16(tmp_path, target, data, cache):
+    out = tmp_path / "eagle3_bf16"
+    argv = common_args(out, data, cache, 40, "--draft-vocab-size", "40", "--intermediate-size", "48",
+                       "--lr", "3e-3", "--batch-size", "4")
+    argv[argv.index("fp32")] = "bf16"
+    res = train_eagle3.run(train_eagle3.parse_args(argv), target)
+    first, last = first_last(res["result"].history)
+    assert last < 0.7 * first, (first, last)
+    assert res["summary"]["args"]["precision"] == "bf16"
+
+
+# -- wider K/V for block drafters ------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_repeat_kv_heads_keeps_the_function_and_drafts_losslessly(target, kind):
+    from specrt.export.models.dflash import repeat_kv_heads
+
+    torch.manual_seed(5)
+    if kind == "dflash":
+        drafter = DFlashDrafter(DFlashConfig.for_target(target.config, num_layers=2, block_size=4, num_taps=3))
+    else:
+        drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_layers=2, block_size=3, num_taps=3,
+                                                        markov_rank=8))
+        with torch.no_grad():
+            drafter.sts_temperatures.fill_(1.5)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    grown = repeat_kv_heads(drafter.eval(), 4).eval()
+    assert grown.config.num_kv_heads == 4 and drafter.config.num_kv_heads == 2
+    assert grown.layers[0].self_attn.k_proj.weight.shape[0] == 4 * drafter.config.head_dim
+    n = 12
+    taps = torch.randn(1, n, 3 * 32)
+    tokens = torch.randint(0, VOCAB, (1, n))
+    anchors, valid = torch.tensor([[3, 7]]), torch.tensor([[True, True]])
+    with torch.no_grad():
+        before = train_dflash.packed_block_hidden(drafter, taps, tokens, anchors, valid)
+        after = train_dflash.packed_block_hidden(grown, taps, tokens, anchors, valid)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    if kind == "dspark":
+        assert torch.equal(grown.sts_temperatures, drafter.sts_temperatures)
+    with pytest.raises(SpecrtError, match="multiple of 2"):
+        repeat_kv_heads(drafter, 3)
+    assert_lossless(target, BlockProposer(grown, threshold=0.0))
+
+
+def test_block_trainer_grows_kv_heads_from_the_target_and_from_a_start_drafter(tmp_path, target, data, cache):
+    common = ["--kind", "dflash", "--num-taps", "3", "--block-size", "3", "--blocks-per-seq", "3", "--batch-size", "4"]
+    fresh = train_dflash.run(train_dflash.parse_args(
+        common_args(tmp_path / "a", data, cache, 2, *common, "--num-kv-heads", "4")), target)
+    layer = fresh["drafter"].layers[0].self_attn
+    assert fresh["drafter"].config.num_kv_heads == 4
+    # started from the target's last layer: its 2 K heads repeated in place (before training moved them)
+    start = train_dflash.run(train_dflash.parse_args(
+        common_args(tmp_path / "s", data, cache, 2, *common, "--num-kv-heads", "4", "--stop-at-step", "0")), target)
+    theirs = target.layers[-1].self_attn.k_proj.weight
+    d = target.config.head_dim
+    torch.testing.assert_close(start["drafter"].layers[0].self_attn.k_proj.weight.view(4, d, -1),
+                               theirs.view(2, d, -1).repeat_interleave(2, dim=0))
+    assert layer.v_proj.weight.shape[0] == 4 * d
+    base = train_dflash.run(train_dflash.parse_args(common_args(tmp_path / "b", data, cache, 2, *common)), target)
+    grown = train_dflash.run(train_dflash.parse_args(common_args(
+        tmp_path / "c", data, cache, 2, *common, "--init-from", str(tmp_path / "b" / "drafter"), "--num-kv-heads", "4")),
+        target)
+    assert base["drafter"].config.num_kv_heads == 2 and grown["drafter"].config.num_kv_heads == 4
+    assert load_drafter(tmp_path / "c" / "drafter", target.config).config.num_kv_heads == 4

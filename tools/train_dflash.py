@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from specrt.export.errors import SpecrtError
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import MARKOV_VARIANTS, DSparkConfig, DSparkDrafter
+from specrt.tools.train_common import full_precision
 
 DEFAULTS = {
     "dflash": dict(block_size=16, blocks_per_seq=8, epochs=4.0),
@@ -219,7 +220,7 @@ class BlockObjective:
         base = drafter.lm_logits(hb)
         logits = drafter.markov_block_logits(base, prev, hb)
         logq = torch.log_softmax(logits, dim=-1)
-        with torch.no_grad():
+        with torch.no_grad(), full_precision():  # the target's distribution stays fp32 under bf16 autocast
             n = fb.tokens.shape[1]
             src = (pos[valid] - 1).clamp(min=0, max=n - 1)  # the target predicts a label from the position before
             owner = torch.nonzero(valid, as_tuple=False)[:, 0]  # the sample of each valid block
@@ -295,6 +296,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--loss-gamma", type=float, default=None, help="position-weight decay (default: 7*Bk/16, dspark 4*Bk/7)")
     g.add_argument("--mask-token-id", type=int, default=None, help="MASK token (default: the last vocabulary id)")
     g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    g.add_argument("--num-kv-heads", type=int, default=None,
+                   help="K/V heads of the drafter layers (default: the target's); a multiple of the target's widens "
+                        "the path the context takes into the block; with --init-from, grows the start drafter's heads "
+                        "by repetition (same function at step 0)")
     g.add_argument("--no-init-from-target", action="store_true", help="random layers instead of the target's last ones")
     g.add_argument("--markov-rank", type=int, default=None, help=f"DSpark Markov rank (default {DEFAULT_MARKOV_RANK})")
     g.add_argument("--markov-variant", choices=MARKOV_VARIANTS, default=None, help="DSpark Markov head (default vanilla)")
@@ -320,6 +325,7 @@ ARCHITECTURE = (
     ("block_size", "block_size", None),  # per kind: DEFAULTS
     ("num_taps", "tap_layers", 5),  # compared as len(tap_layers)
     ("intermediate_size", "intermediate_size", None),  # None: the target's
+    ("num_kv_heads", "num_kv_heads", None),  # None: the target's; --init-from may grow it (repeat_kv_heads)
     ("mask_token_id", "mask_token_id", None),  # None: the last vocabulary id
     ("markov_rank", "markov_rank", DEFAULT_MARKOV_RANK),
     ("markov_variant", "markov_variant", "vanilla"),
@@ -352,8 +358,13 @@ def load_start_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
     loop then loads the state over these weights (the start only fixes the shape). DSpark's STS
     temperatures go back to 1: they belong to the old weights and are refitted after training."""
     from specrt.export.checkpoints.drafters import load_drafter
+    from specrt.export.models.dflash import repeat_kv_heads
 
     drafter = load_drafter(args.init_from, target.config, kind=args.kind).float().train()
+    grow_to = args.num_kv_heads
+    if grow_to is not None and grow_to != drafter.config.num_kv_heads:
+        drafter = repeat_kv_heads(drafter, grow_to)
+        print(f"--init-from {args.init_from}: K/V heads grown to {grow_to} by repetition", file=sys.stderr)
     resolve_architecture(args, drafter.config)
     if isinstance(drafter, DSparkDrafter):
         drafter.sts_temperatures.fill_(1.0)
@@ -373,13 +384,13 @@ def build_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
     if args.kind == "dflash":
         dcfg = DFlashConfig.for_target(cfg, num_layers=args.num_layers, block_size=args.block_size,
                                        mask_token_id=args.mask_token_id, num_taps=args.num_taps,
-                                       intermediate_size=args.intermediate_size)
+                                       intermediate_size=args.intermediate_size, num_kv_heads=args.num_kv_heads)
         drafter: DFlashDrafter = DFlashDrafter(dcfg)
     else:
         dcfg = DSparkConfig.for_target(cfg, num_layers=args.num_layers, block_size=args.block_size,
                                        mask_token_id=args.mask_token_id, num_taps=args.num_taps,
                                        intermediate_size=args.intermediate_size, markov_rank=args.markov_rank,
-                                       markov_variant=args.markov_variant)
+                                       markov_variant=args.markov_variant, num_kv_heads=args.num_kv_heads)
         drafter = DSparkDrafter(dcfg)
         with torch.no_grad():  # start the Markov bias at zero: the backbone alone is the initial drafter
             drafter.markov_w2.weight.zero_()
@@ -392,20 +403,12 @@ def build_drafter(args: argparse.Namespace, target) -> DFlashDrafter:
     return drafter
 
 
-def run(args: argparse.Namespace, target) -> dict:
-    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
-    from specrt.tools.train_common import (
-        BatchPlan,
-        LoopConfig,
-        all_drafter_taps,
-        feature_store,
-        frozen_target,
-        save_final,
-        steps_for,
-        train_loop,
-        validation_indices,
-        write_summary,
-    )
+def prepare(args: argparse.Namespace, target):
+    """The drafter, its feature store, objective and batch plan, exactly as a run trains them
+    (shared by `run` and `specrt.tools.bench_train_step`)."""
+    from types import SimpleNamespace
+
+    from specrt.tools.train_common import BatchPlan, all_drafter_taps, feature_store, frozen_target
 
     target = frozen_target(target)
     drafter = build_drafter(args, target)
@@ -414,6 +417,22 @@ def run(args: argparse.Namespace, target) -> dict:
     objective = BlockObjective(store, target, drafter, args.blocks_per_seq, args.loss_gamma,
                                args.ce_weight, args.tv_weight, args.conf_weight)
     plan = BatchPlan(store.train_indices, store.lengths, args.batch_size, args.seed)
+    return SimpleNamespace(target=target, drafter=drafter, store=store, objective=objective, plan=plan)
+
+
+def run(args: argparse.Namespace, target) -> dict:
+    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
+    from specrt.tools.train_common import (
+        LoopConfig,
+        save_final,
+        steps_for,
+        train_loop,
+        validation_indices,
+        write_summary,
+    )
+
+    prep = prepare(args, target)
+    target, drafter, store, objective, plan = prep.target, prep.drafter, prep.store, prep.objective, prep.plan
     steps = steps_for(args, plan)
     val = validation_indices(store, args.val_samples)
     result = train_loop(drafter, objective.loss, lambda m: objective.evaluate(m, val), plan,

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from specrt.export.errors import SpecrtError
 from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter
+from specrt.tools.train_common import full_precision
 
 DEFAULT_DRAFT_VOCAB = 8192
 TTT_STEPS = 7
@@ -283,7 +284,7 @@ class Eagle3Objective:
         sel = start[:, None] + row
         # target distributions on the window of positions start+1 .. start+r+steps-1 (shared by all steps)
         win = (start[:, None] + 1 + torch.arange(r + self.steps - 1)[None, :]).clamp(max=n - 1)
-        with torch.no_grad():
+        with torch.no_grad(), full_precision():  # the labels stay fp32 under a bf16 training forward
             h_last = torch.gather(fb.last, 1, win[:, :, None].expand(-1, -1, fb.last.shape[-1]))
             logp_win = torch.log_softmax(self.target_norm(h_last).float() @ self.head.T, dim=-1)
             p_win = logp_win.exp()
@@ -446,20 +447,12 @@ def init_from_drafter(drafter: Eagle3Drafter, vocab: DraftVocab, folder: Path, t
     return kept, new
 
 
-def run(args: argparse.Namespace, target) -> dict:
-    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
-    from specrt.tools.train_common import (
-        BatchPlan,
-        LoopConfig,
-        all_drafter_taps,
-        feature_store,
-        frozen_target,
-        save_final,
-        steps_for,
-        train_loop,
-        validation_indices,
-        write_summary,
-    )
+def prepare(args: argparse.Namespace, target):
+    """The drafter (resumed vocabulary, --remap-vocab, --init-from applied), its feature store, objective
+    and batch plan, exactly as a run trains them (shared by `run` and `specrt.tools.bench_train_step`)."""
+    from types import SimpleNamespace
+
+    from specrt.tools.train_common import BatchPlan, all_drafter_taps, feature_store, frozen_target
 
     target = frozen_target(target)
     taps = sorted(set(all_drafter_taps(target.config.num_layers)))
@@ -482,6 +475,22 @@ def run(args: argparse.Namespace, target) -> dict:
           f"training response tokens", file=sys.stderr)
     objective = Eagle3Objective(store, target, drafter, args.ttt_steps, args.step_decay)
     plan = BatchPlan(store.train_indices, store.lengths, args.batch_size, args.seed)
+    return SimpleNamespace(target=target, drafter=drafter, vocab=vocab, store=store, objective=objective, plan=plan)
+
+
+def run(args: argparse.Namespace, target) -> dict:
+    """Train with an already loaded target model (the CLI loads it; tests pass a tiny one)."""
+    from specrt.tools.train_common import (
+        LoopConfig,
+        save_final,
+        steps_for,
+        train_loop,
+        validation_indices,
+        write_summary,
+    )
+
+    prep = prepare(args, target)
+    drafter, vocab, store, objective, plan = prep.drafter, prep.vocab, prep.store, prep.objective, prep.plan
     steps = steps_for(args, plan)
     val = validation_indices(store, args.val_samples)
     result = train_loop(

@@ -114,12 +114,13 @@ class DFlashConfig:
         mask_token_id: int | None,
         num_taps: int,
         intermediate_size: int | None,
+        num_kv_heads: int | None = None,
     ) -> dict[str, Any]:
         return dict(
             num_layers=int(num_layers),
             hidden_size=target_cfg.hidden_size,
             num_heads=target_cfg.num_heads,
-            num_kv_heads=target_cfg.num_kv_heads,
+            num_kv_heads=int(num_kv_heads or target_cfg.num_kv_heads),
             head_dim=target_cfg.head_dim,
             intermediate_size=intermediate_size or target_cfg.intermediate_size,
             rms_norm_eps=target_cfg.rms_norm_eps,
@@ -145,9 +146,14 @@ class DFlashConfig:
         mask_token_id: int | None = None,
         num_taps: int = 5,
         intermediate_size: int | None = None,
+        num_kv_heads: int | None = None,
     ) -> "DFlashConfig":
-        """Drafter layers with the target's dims (so they can start from the target's last layers)."""
-        return cls(**cls._target_fields(target_cfg, num_layers, block_size, mask_token_id, num_taps, intermediate_size))
+        """Drafter layers with the target's dims (so they can start from the target's last layers).
+
+        `num_kv_heads` (default: the target's) may be any multiple of the target's KV heads that
+        divides the query heads: see `repeat_kv_heads` for why a block drafter wants more."""
+        return cls(**cls._target_fields(target_cfg, num_layers, block_size, mask_token_id, num_taps, intermediate_size,
+                                        num_kv_heads))
 
 
 class DFlashLayer(nn.Module):
@@ -312,6 +318,8 @@ class DFlashDrafter(nn.Module):
                     tensor.fill_(1.0)
                     continue
                 src = theirs_state.get(name)
+                if src is not None and name.endswith(("k_proj.weight", "v_proj.weight")) and src.shape != tensor.shape:
+                    src = _repeat_head_rows(src, tensor.shape[0] // self.config.head_dim, self.config.head_dim)
                 if src is not None and src.shape == tensor.shape:
                     tensor.copy_(src)
                     copied.append(f"layers.{i}.{name}")
@@ -319,3 +327,47 @@ class DFlashDrafter(nn.Module):
             self.norm.weight.copy_(target.norm.weight)
             copied.append("norm.weight")
         return copied
+
+
+def _repeat_head_rows(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """k/v projection rows [h * D, in] of h heads -> [heads * D, in], each head repeated heads / h times
+    in place (head i of the result is head i // (heads / h) of the input), or unchanged when the
+    count does not divide."""
+    have = weight.shape[0] // head_dim
+    if have == 0 or heads % have or heads == have:
+        return weight
+    return weight.view(have, head_dim, -1).repeat_interleave(heads // have, dim=0).reshape(heads * head_dim, -1)
+
+
+@torch.no_grad()
+def repeat_kv_heads(drafter: DFlashDrafter, num_kv_heads: int) -> DFlashDrafter:
+    """The same drafter with `num_kv_heads` K/V heads (a multiple of its own), computing the same function.
+
+    Why: in a block drafter the target's context reaches the block only as keys/values, and the
+    MASK positions' queries carry no content in the first layer, so what a draft can learn about
+    the context is bounded by the K/V width: num_kv_heads * head_dim per position (SmolLM2's GQA:
+    3 x 64 = 192 of 576 dims). Repeating each head (query head j keeps reading a copy of the head it
+    read before) changes nothing at first; training then unties the copies. Cost: the K/V
+    projections and the drafter's own cache grow by the factor; the 49k-wide LM head still
+    dominates a step.
+    """
+    cfg = drafter.config
+    if num_kv_heads == cfg.num_kv_heads:
+        return drafter
+    if num_kv_heads % cfg.num_kv_heads or cfg.num_heads % num_kv_heads:
+        raise SpecrtError(
+            f"cannot grow {cfg.num_kv_heads} K/V heads to {num_kv_heads}: it must be a multiple of "
+            f"{cfg.num_kv_heads} that divides the {cfg.num_heads} query heads",
+            f"pick one of {[n for n in range(cfg.num_kv_heads, cfg.num_heads + 1) if n % cfg.num_kv_heads == 0 and cfg.num_heads % n == 0]}",
+        )
+    new_cfg = type(cfg).from_dict({**cfg.to_dict(), "num_kv_heads": int(num_kv_heads)})
+    grown = type(drafter)(new_cfg).to(drafter.fc.weight.dtype)
+    state = {}
+    for name, tensor in drafter.state_dict().items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensor = _repeat_head_rows(tensor, num_kv_heads, cfg.head_dim)
+        state[name] = tensor
+    grown.load_state_dict(state)
+    if drafter.target_embed_weight is not None:
+        grown.bind_target(drafter.target_embed_weight, drafter.target_lm_head_weight)
+    return grown

@@ -81,8 +81,10 @@ class DSparkConfig(DFlashConfig):
         intermediate_size: int | None = None,
         markov_rank: int = 256,
         markov_variant: str = "vanilla",
+        num_kv_heads: int | None = None,
     ) -> "DSparkConfig":
-        fields = cls._target_fields(target_cfg, num_layers, block_size, mask_token_id, num_taps, intermediate_size)
+        fields = cls._target_fields(target_cfg, num_layers, block_size, mask_token_id, num_taps, intermediate_size,
+                                    num_kv_heads)
         return cls(**fields, markov_rank=markov_rank, markov_variant=markov_variant)
 
 
