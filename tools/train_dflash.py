@@ -19,6 +19,11 @@ tokens, the keys [context K/V of the T positions ; the nb*Bk block K/V], and the
 causally), nothing else, which is what one block sees at inference. The forward is the
 drafter's own inference code (`ingest_context` + `backbone` on explicit per-layer caches), so
 training and drafting cannot drift apart. The target's embedding and LM head are shared and frozen;
+K/V width (`--num-kv-heads`, default the target's): the context reaches a block only through the
+layers' keys/values, and in the first layer the MASK queries carry no content, so num_kv_heads *
+head_dim bounds what a draft can read of each context position (SmolLM2: 3 x 64 of 576 dims).
+A multiple of the target's heads starts as repeated copies of them (`repeat_kv_heads`: the same
+function as GQA at step 0, from the target's layer or from an --init-from drafter).
 the drafter layers start from the target's last `--num-layers` layers (`init_from_target`), or,
 with `--init-from FOLDER`, from a trained drafter of the same kind: its shape and weights, a fresh
 optimizer and schedule (to train a shipped drafter on more or other data).
@@ -59,6 +64,9 @@ the sequential Markov chain reads W2 (r x 49152) once per draft, memory-bound on
 drafting round (backbone + 7 Markov steps, batch 1, 1 thread) took 37 ms at rank 64 and 115 ms at
 rank 256, a training step 4.1 s against 5.0 s (2 threads, same load). On a machine shared with
 another job, `--threads 1` is several times faster than torch's default.
+bf16 (`--precision auto` on this CPU) made a DSpark step 1.53x faster (2.68 -> 1.76 s, 1 thread, K/V
+heads grown to 9; `python -m specrt.tools.bench_train_step --kind dspark`): the 49k-wide softmaxes
+and the fp32 labels are not matmuls, so bf16 gains less here than for EAGLE-3.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ samples, batch 4 (~1070 steps), lr 5e-4 (warmup 3 %, cosine to 10 %): about 75 m
 above, less on an idle machine; the held-out check runs every 250 steps on 48 samples. `--max-
 minutes` (default 110) anneals the schedule on time if a slower machine would run over. On a machine
 shared with another job, `--threads 1` is several times faster than torch's default.
+
+Precision: `--precision auto` trains the forward in bf16 on a CPU with native bf16 (train_common):
+`python -m specrt.tools.bench_train_step --kind eagle3` measured 7.08 -> 2.24 s per step (3.16x) on
+this machine, 1 thread, the other core busy, same first-step loss to 4e-4 relative.
 """
 
 from __future__ import annotations
