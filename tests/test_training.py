@@ -682,6 +682,11 @@ def test_eagle3_trainer_learns_in_bf16(tmp_path, target, data, cache):
     first, last = first_last(res["result"].history)
     assert last < 0.7 * first, (first, last)
     assert res["summary"]["args"]["precision"] == "bf16"
+    auto = train_eagle3.parse_args(argv[:argv.index("bf16") - 1] + argv[argv.index("bf16") + 1:])
+    assert auto.precision == "auto"
+    from specrt.tools.train_common import LoopConfig
+
+    assert LoopConfig.from_args(auto, 1, "x").precision == auto.precision in ("fp32", "bf16")  # resolved in place
 
 
 # -- wider K/V for block drafters ------------------------------------------------------------------

@@ -286,11 +286,13 @@ class LoopConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, steps: int, desc: str) -> LoopConfig:
+        # the resolved precision goes back into args, so the run's summary records what ran, not "auto"
+        args.precision = resolve_precision(getattr(args, "precision", "fp32"))
         return cls(out=Path(args.out), steps=steps, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                    weight_decay=args.weight_decay, grad_clip=args.grad_clip, save_every=args.save_every,
                    eval_every=args.eval_every, max_minutes=args.max_minutes, resume=args.resume, seed=args.seed,
                    stop_at_step=args.stop_at_step, progress=not args.no_progress, desc=desc,
-                   precision=resolve_precision(getattr(args, "precision", "fp32")))
+                   precision=args.precision)
 
 
 @dataclass
