@@ -179,10 +179,24 @@ def test_stop_strings_cut_the_text(pipe, server, client):
     wait_all_free(server)
 
 
-def test_sampling_with_a_seed_is_reproducible_alone(server, client):
-    a = client.completions.create(model="tiny", prompt="w5 w9", max_tokens=12, temperature=0.8, seed=3)
-    b = client.completions.create(model="tiny", prompt="w5 w9", max_tokens=12, temperature=0.8, seed=3)
+def test_sampling_with_a_seed_is_reproducible_alone_and_batched(server, client):
+    """Seeded requests are Gumbel-max picks on (seed, index)-keyed noise: the same text whatever
+    the drafts, the draft gate (timing-driven) and the other requests in the batch do."""
+    def seeded():
+        return client.completions.create(model="tiny", prompt="w5 w9", max_tokens=12, temperature=0.8, seed=3)
+
+    a, b = seeded(), seeded()
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens >= 1
+    results = []
+    others = [threading.Thread(target=lambda: results.append(client.completions.create(
+        model="tiny", prompt="w7 w2 w9", max_tokens=30, temperature=1.0))) for _ in range(2)]
+    for t in others:
+        t.start()
+    c = seeded()
+    for t in others:
+        t.join()
+    assert c.choices[0].text == a.choices[0].text and len(results) == 2
+    wait_all_free(server)
 
 
 BAD = [

@@ -226,10 +226,12 @@ def small_target():
     return model
 
 
-def sample_batched(model, proposer, prompt, params, n, cost="packed", slots=500):
-    """SAMPLES requests of the same prompt through `slots` rows, with the confidence schedule."""
+def sample_batched(model, proposer, prompt, params, n, cost="packed", slots=500, seeded_sampling="stream"):
+    """SAMPLES requests of the same prompt through `slots` rows, with the confidence schedule.
+    Seeds make the run reproducible; "stream" keeps them on rejection sampling (verify.py)."""
     sps = lambda b: 1.0 / (1.0 + 0.0007 * b)
-    batcher = Batcher(TorchTargetEngine(model, 32, slots), proposer, "confidence", sps, cost=cost, draft_gate=False)
+    batcher = Batcher(TorchTargetEngine(model, 32, slots), proposer, "confidence", sps, cost=cost, draft_gate=False,
+                      seeded_sampling=seeded_sampling)
     lengths = set()
     requests = []
     for i in range(SAMPLES):
@@ -266,3 +268,35 @@ def test_the_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeyp
     params = SamplingParams(temperature=0.9, top_k=5)
     samples, _ = sample_batched(small_target, block(small_target, "dflash"), [1, 4, 2], params, 3)
     assert chi_square_pvalue(samples, exact_first_tokens(small_target, [1, 4, 2], params, 3), 3) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_seeded_noise_sampling_keeps_the_target_distribution(small_target, kind):
+    """Seeded requests ("noise": Gumbel-max on (seed, index)-keyed noise, greedy drafts, verified on
+    the perturbed scores) are exact samples of the target too, under batching and Algorithm 1."""
+    params = SamplingParams(temperature=0.9, top_k=5)
+    prompt = [1, 4, 2]
+    samples, _ = sample_batched(small_target, block(small_target, kind), prompt, params, 3, seeded_sampling="noise")
+    assert chi_square_pvalue(samples, exact_first_tokens(small_target, prompt, params, 3), 3) > 1e-3
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_seed_gives_the_same_text_alone_batched_and_drafted(target, kind):
+    """A seeded request's tokens depend on its prompt, sampling settings and seed only: the same as
+    plain decoding alone, batched with greedy and other seeded requests, with any drafter, the
+    confidence schedule and the (timing-driven) draft gate on."""
+    settings = [SamplingParams(0.8, seed=3), SamplingParams(), SamplingParams(1.0, top_p=0.9, seed=11),
+                SamplingParams(0.6, top_k=8, seed=3), SamplingParams(0.8, seed=4), SamplingParams(1.2, seed=0)]
+
+    def run(proposer, indices, slots):
+        batcher = Batcher(TorchTargetEngine(target, 128, slots), proposer, "confidence", SPS)
+        reqs = [Request(PROMPTS[i], MAX_NEW[i], settings[i]) for i in indices]
+        drive(batcher, reqs, arrivals={0: list(range(len(reqs)))})
+        return [r.tokens for r in reqs]
+
+    alone = [run(None, [i], 1)[0] for i in range(len(PROMPTS))]
+    assert run(KINDS[kind](target), list(range(len(PROMPTS))), 3) == alone
+    if kind == "none":  # the seed matters: another seed, another text
+        other = Request(PROMPTS[0], MAX_NEW[0], SamplingParams(0.8, seed=5))
+        drive(Batcher(TorchTargetEngine(target, 128, 1)), [other], arrivals={0: [0]})
+        assert other.tokens != alone[0]

@@ -20,8 +20,14 @@ Plain decoding is the same step with empty proposals (no proposer, or the draft 
 Lossless under batching: a row sees only its own committed slots and its own new tokens (the
 engine's mask), padding is never committed, and verification is per row with the request's own
 sampling settings, so a request's greedy output is its output alone. Sampled outputs have exactly
-the target's distribution; they are reproducible from `seed` only for the same batch history
-(drafts share one random stream across requests, and the verify lengths depend on the batch).
+the target's distribution. A request with a seed is reproducible: with `seeded_sampling="noise"`
+(the default) its tokens are Gumbel-max picks from noise keyed by (seed, token index)
+(`specrt.runtime.seeded`), so its text is the same alone or batched, with or without drafts,
+whatever the scheduler and the draft gate decide; it drafts greedily and verifies on the perturbed
+scores. `seeded_sampling="stream"` starts rejection sampling's generator from the seed instead:
+higher acceptance, but reproducible only for the same batch history (drafts share one random
+stream across requests, and the verify lengths depend on the batch and on measured step times).
+Requests without a seed always use rejection sampling.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams, next_token
+from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, is_seeded, seeded_token
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
 from specrt.runtime.serving.rows import (
     proposer_prefix_view,
@@ -57,6 +64,7 @@ from specrt.runtime.tree import kv_keep_indices
 log = logging.getLogger("specrt.serving")
 _ids = itertools.count(1)
 EMPTY = Proposal.chain(torch.zeros(0, dtype=torch.long))
+SEEDED_SAMPLING = ("noise", "stream")  # how a request's seed drives sampling (module docstring)
 
 
 @dataclass(eq=False)
@@ -83,7 +91,8 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     anchor: int = -1
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # rejection sampling's coins (unseeded or "stream" requests)
+    noise: bool = False  # seeded: Gumbel-max on (seed, index)-keyed noise (specrt.runtime.seeded)
 
     @property
     def done(self) -> bool:
@@ -113,12 +122,16 @@ class Batcher:
     """Continuous batching over one engine (module docstring)."""
 
     def __init__(self, engine, proposer=None, schedule: str = "fixed", sps=None, eos_token_ids=(),
-                 cost: str = "padded", draft_gate: bool = True, draft_seed: int = 0) -> None:
+                 cost: str = "padded", draft_gate: bool = True, draft_seed: int = 0,
+                 seeded_sampling: str = "noise") -> None:
         if schedule not in SCHEDULES:
             raise SpecrtError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         if schedule == "confidence" and proposer is not None and sps is None:
             raise SpecrtError("confidence scheduling needs an SPS table (target steps/s vs verify tokens)",
                               "run `specrt calibrate` for this engine, or use --schedule fixed")
+        if seeded_sampling not in SEEDED_SAMPLING:
+            raise SpecrtError(f"unknown seeded_sampling {seeded_sampling!r}", f"use one of {', '.join(SEEDED_SAMPLING)}")
+        self.seed_noise = seeded_sampling == "noise"
         self.engine, self.proposer = engine, proposer
         self.schedule, self.sps, self.cost = schedule, sps, cost
         self.slots = int(engine.batch_size)
@@ -233,7 +246,8 @@ class Batcher:
             row = self.free.pop(0)
             req.row, req.started_at = row, time.perf_counter()
             req.stats = RequestStats(prompt_tokens=len(req.prompt))
-            req.generator = None if req.sampling.greedy else req.sampling.generator()
+            req.noise = self.seed_noise and is_seeded(req.sampling)
+            req.generator = None if (req.sampling.greedy or req.noise) else req.sampling.generator()
             reset_engine_row(self.engine, row)
             reset_proposer_row(self.proposer, row)
             self.running[row] = req
@@ -302,7 +316,10 @@ class Batcher:
         rows, prompts, taps_rows, firsts = [], [], [], []
         for group, logits, taps in groups:
             for i, req in enumerate(group):
-                first = int(next_token(logits[i], req.sampling, req.generator))
+                if req.noise:
+                    first = seeded_token(logits[i], req.sampling, 0)
+                else:
+                    first = int(next_token(logits[i], req.sampling, req.generator))
                 req.anchor = first
                 rows.append(req.row)
                 prompts.append(list(req.prompt))
@@ -369,7 +386,7 @@ class Batcher:
     def _propose(self, pview, active: list[int]) -> dict[int, Proposal]:
         groups: dict[object, list[int]] = {}
         for row in active:
-            s = self.running[row].sampling
+            s = self._draft_sampling(self.running[row])
             groups.setdefault("greedy" if s.greedy else (s.temperature, s.top_k, s.top_p), []).append(row)
         # block drafters write scratch K/V for every row they are not asked about (at position 0):
         # with several groups, each call drafts all busy rows and keeps its own group's
@@ -377,13 +394,17 @@ class Batcher:
         out: dict[int, Proposal] = {}
         with self._full_drafts(pview):
             for rows in groups.values():
-                sampling = self.running[rows[0]].sampling
+                sampling = self._draft_sampling(self.running[rows[0]])
                 call = active if all_rows else rows
                 drafted = pview.propose(call, [self.running[r].anchor for r in call], sampling,
                                         None if sampling.greedy else self.draft_generator)
                 wanted = set(rows)
                 out.update({r: p for r, p in zip(call, drafted) if r in wanted})
         return out
+
+    @staticmethod
+    def _draft_sampling(req: Request) -> SamplingParams:
+        return GREEDY_DRAFTS if req.noise else req.sampling
 
     def _decode(self, active: list[int]) -> None:
         engine, c = self.engine, self.counters
@@ -426,7 +447,10 @@ class Batcher:
         c.row_steps += len(active)
         for row in active:
             req, p = self.running[row], proposals[row]
-            path, bonus = _accept(p, logits[row], req.sampling, req.generator)
+            if req.noise:  # row 0 predicts the token after the anchor: generated index len(tokens)
+                path, bonus = accept_seeded(p, logits[row], req.sampling, len(req.tokens))
+            else:
+                path, bonus = _accept(p, logits[row], req.sampling, req.generator)
             keep = kv_keep_indices(path)
             view.commit(row, keep)
             accepted = [int(p.tokens[i]) for i in path]

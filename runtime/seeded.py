@@ -1,0 +1,89 @@
+"""Seeded sampling that speculation, batching and scheduling cannot change.
+
+Why: with rejection sampling (`specrt.runtime.verify`) a request's random stream is consumed at a
+rate that depends on what was drafted, how many drafts the scheduler verified and whether the
+serving draft gate was open (which depends on measured step times). The output keeps the target's
+distribution, but the same prompt and seed give different text from one call to the next. Users of
+`seed` expect the same text.
+
+How: the n-th generated token of a request (n = 0 for the token after the prompt) is
+
+    x_n = argmax_v ( log p_n(v) + G_n(v) ),   p_n = probabilities(logits, params)
+
+with G_n a vector of i.i.d. Gumbel(0, 1) noise drawn from a generator keyed by (seed, n) alone.
+This is the Gumbel-max trick: x_n is an exact sample of p_n, and G_n is independent of G_<n (which
+decided the prefix), so the sequence is an exact sample of the target, token by token. Top-k / top-p
+zeros become -inf scores and are never chosen.
+
+Verification is greedy verification on the perturbed scores: a draft is accepted iff it equals
+the token plain decoding with that seed would pick at its index, and the bonus is that token. So
+the output is a function of (prompt, sampling params, seed) only: the same with or without a
+drafter, alone or batched, whatever verify length the scheduler picks. The price is acceptance:
+a draft survives with probability P(draft = x_n), below the min(1, p/q) rule's, because drafts are
+not coupled to the noise. Proposers draft greedily for these requests (argmax q is the draft most
+likely to equal a sample of p when q tracks p: p(argmax q) >= sum_v p(v) q(v)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.sampling import SamplingParams, probabilities
+from specrt.runtime.tree import node_depths
+from specrt.runtime.verify import verify_chain_greedy, verify_tree_greedy
+
+_MASK64 = (1 << 64) - 1
+
+
+def _stream_key(seed: int, index: int) -> int:
+    """A 63-bit generator seed for (seed, index): splitmix64 of both, so nearby seeds and indices
+    give unrelated streams (manual_seed(seed + index) would make request 1's token 0 equal to
+    request 0's token 1)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
+    """[V] float32 Gumbel(0, 1) noise of generated-token index `index` of a request with `seed`."""
+    u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(_stream_key(seed, index)))
+    return -torch.log(-torch.log(u))  # u == 0 gives -inf: that token is never the argmax
+
+
+def perturbed_scores(logits: torch.Tensor, params: SamplingParams, indices: Sequence[int]) -> torch.Tensor:
+    """logits [n, V] (row i predicts generated index indices[i]) -> log p + G, float32 [n, V]."""
+    if params.seed is None or params.greedy:
+        raise ValueError("perturbed scores are for seeded sampling (temperature > 0 and a seed)")
+    scores = torch.log(probabilities(logits, params))
+    vocab = int(scores.shape[-1])
+    noise = {i: gumbel_noise(params.seed, i, vocab) for i in set(indices)}
+    return scores + torch.stack([noise[i] for i in indices]).to(scores.device)
+
+
+def seeded_token(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
+    """The token at generated index `index` from logits [V]: what plain decoding with this seed picks."""
+    return int(perturbed_scores(logits.unsqueeze(0), params, [index])[0].argmax())
+
+
+def accept_seeded(p: Proposal, logits: torch.Tensor, params: SamplingParams, first_index: int) -> tuple[list[int], int]:
+    """Accepted path (node indices) and bonus of one row, verifying on perturbed scores.
+
+    logits [>= N+1, V]: row 0 predicts generated index `first_index`, row i+1 the token after node
+    i, at index first_index + depth(node i)."""
+    n = len(p)
+    indices = [first_index] + [first_index + d for d in node_depths(p.parents)]
+    scores = perturbed_scores(logits[: n + 1], params, indices)
+    if p.is_chain:
+        k, bonus = verify_chain_greedy(p.tokens, scores)
+        return list(range(k)), bonus
+    return verify_tree_greedy(p.tokens, p.parents, scores)
+
+
+def is_seeded(params: SamplingParams) -> bool:
+    return not params.greedy and params.seed is not None
+
+
+GREEDY_DRAFTS = SamplingParams()
