@@ -98,7 +98,9 @@ def default_max_step(manifest: dict[str, Any]) -> int:
         candidates.append(int(tree["total_tokens"]))
     if drafter.get("block_size"):
         candidates.append(int(drafter["block_size"]) + 1)
-    return max(candidates)
+    # copied drafts are grafted onto the drafter's tree (specrt.runtime.proposers.lookup)
+    extra = int((drafter.get("lookup") or {}).get("max_tokens") or 0)
+    return max(candidates) + extra
 
 
 def resolve_limits(manifest: dict[str, Any], max_batch: int | None = None, max_prefill: int | None = None,

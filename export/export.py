@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-depth", type=int, default=2, help="EAGLE-3 tree: depth (manifest default)")
     parser.add_argument("--tree-tokens", type=int, default=4, help="EAGLE-3 tree: verify tokens (manifest default)")
     parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
+    parser.add_argument("--lookup", type=int, default=16,
+                        help="drafts copied from the request's own text per step, grafted onto the drafter's "
+                             "(manifest default; 0: off; specrt.runtime.proposers.lookup)")
+    parser.add_argument("--lookup-threshold", type=float, default=0.3,
+                        help="verify a copied draft while its estimated survival is at least this (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
     q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),
                    help="weights of the linear layers: fp32/fp16 (= --dtype), int8/int4 (RTN, weight-only) or gguf "
@@ -182,6 +187,7 @@ def export_engine(
     command: list[str] | None = None,
     quant=None,
     ort_fused: bool = True,
+    lookup: dict | None = None,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
     import torch
@@ -297,6 +303,8 @@ def export_engine(
                     t = {"top_k": 2, "depth": 2, "total_tokens": 4, **(tree or {})}
                     extra["tree"] = t
                     extra["num_drafts"] = t["total_tokens"] - 1
+                if lookup:
+                    extra["lookup"] = dict(lookup)
                 if drafter_kind == "dspark":
                     extra["policy"] = {"threshold": float(threshold), "sps": None,
                                        "note": "sps: a table of steps/s by verify tokens, profiled per device"}
@@ -343,14 +351,24 @@ def quant_options(args: argparse.Namespace):
                         lm_head=not args.no_quant_lm_head)
 
 
+def lookup_defaults(args: argparse.Namespace) -> dict | None:
+    """The manifest's `drafter.lookup` record from --lookup / --lookup-threshold (None: off)."""
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    if args.lookup <= 0:
+        return None
+    return DraftOptions(lookup=args.lookup, lookup_threshold=args.lookup_threshold).lookup_manifest()
+
+
 def run(args: argparse.Namespace) -> int:
     quant = quant_options(args)
+    lookup_defaults(args)  # bad values fail before the long export
     export_engine(
         args.drafter, target=args.target, drafter_ckpt=args.drafter_ckpt, out=args.out, dtype=args.dtype,
         opset=args.opset, capacity=args.capacity, external_data=args.external_data,
         tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
         threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
-        ort_fused=not args.no_ort_fused,
+        ort_fused=not args.no_ort_fused, lookup=lookup_defaults(args),
     )
     return 0
 

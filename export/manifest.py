@@ -16,7 +16,9 @@ Layout (format "specrt.engine", format_version 1):
                    graphs {role: graph name}, ...kind specifics: num_drafts, label_shift;
                    eagle3: draft_vocab_size, draft_vocab {file, size}, tree {top_k, depth,
                    total_tokens}; dflash/dspark: block_size, mask_token_id; dspark: markov_rank,
-                   markov_variant, sts_temperatures, policy {threshold, sps}}
+                   markov_variant, sts_temperatures, policy {threshold, sps}; any kind: lookup
+                   {max_tokens, threshold, min_match, max_match, alone_above}, the runtime's default
+                   for drafts copied from the request's text (specrt.runtime.proposers.lookup)}
     graphs        {name: {file, data (external-data file or null), description, custom_ops,
                    inputs [{name, dtype, shape}], outputs [{name, dtype, shape}], runtime ("any", or
                    "onnxruntime" for target_ort, which uses ORT contrib ops: specrt.export.ort_fused)}}

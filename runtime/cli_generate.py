@@ -49,8 +49,9 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
     p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files at load")
     d = p.add_argument_group("speculative decoding")
-    d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark"],
-                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding")
+    d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark", "lookup"],
+                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding; lookup: "
+                   "no drafter, drafts copied from the prompt and the text so far")
     d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
     d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
     d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
@@ -62,6 +63,11 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     d.add_argument("--confidence-threshold", type=float, default=0.1,
                    help="DSpark/DFlash/EAGLE-3 chains (--tree-top-k 1): verify drafts while their survival "
                    "probability stays above this")
+    d.add_argument("--lookup", type=int, default=16,
+                   help="drafts copied from the request's own text per step, grafted onto the drafter's (0: off; "
+                   "--drafter lookup: the chain length). Engine folders: the manifest's default unless given")
+    d.add_argument("--lookup-threshold", type=float, default=0.3,
+                   help="verify a copied draft while its estimated survival stays at least this")
     return d
 
 
@@ -99,28 +105,31 @@ def build_pipeline(args: argparse.Namespace, options):
 
 def explicit_draft_options(args: argparse.Namespace):
     """DraftOptions from the flags, or None (the engine folder's recorded defaults) when none was given."""
-    from specrt.runtime.proposers.factory import DraftOptions
-
     given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold",
-                                        "--max-drafts", "--block-tree-top-k"))
+                                        "--max-drafts", "--block-tree-top-k", "--lookup", "--lookup-threshold"))
     if args.engines and not given:
         return None
+    return options_from_args(args)
+
+
+def options_from_args(args: argparse.Namespace):
+    from specrt.runtime.proposers.factory import DraftOptions
+
     return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
                         getattr(args, "max_drafts", None),  # serve/calibrate reuse this without --max-drafts
-                        block_tree_top_k=args.block_tree_top_k)
+                        block_tree_top_k=args.block_tree_top_k, lookup=args.lookup,
+                        lookup_threshold=args.lookup_threshold)
 
 
 def run(args: argparse.Namespace) -> int:
     from specrt.export.errors import SpecrtError
-    from specrt.runtime.proposers.factory import DraftOptions
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.stats import summary_line
     from specrt.runtime.streaming import TextStream
 
     # validate everything cheap before loading anything
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold, args.max_drafts,
-                 block_tree_top_k=args.block_tree_top_k)
+    options_from_args(args)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
     resolve_backend(args)

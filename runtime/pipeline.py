@@ -68,13 +68,15 @@ class Pipeline:
         from specrt.runtime.backends.ort_session import SessionOptions
 
         options = SessionOptions(device=device, threads=threads)
-        engines = load_engines(folder, options, with_drafter=drafter != "none", verify_checksums=verify_checksums)
-        if drafter not in ("auto", "none") and engines.drafter_kind != drafter:
+        lookup_only = drafter == "lookup"  # needs no drafter graph: any engine folder can run it
+        engines = load_engines(folder, options, with_drafter=drafter not in ("none", "lookup"),
+                               verify_checksums=verify_checksums)
+        if drafter not in ("auto", "none", "lookup") and engines.drafter_kind != drafter:
             raise SpecrtError(
                 f"{folder} holds a {engines.drafter_kind or 'target-only'} engine, not {drafter}",
                 f"export one with --drafter {drafter}, or leave --drafter at auto to use the folder's own",
             )
-        proposer = engines.proposer(draft_options)
+        proposer = engines.proposer(draft_options, lookup_only=lookup_only)
         pipe = cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
                    lambda capacity, batch, spare: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
         pipe.source = engines.manifest.data["target"].get("source")

@@ -221,15 +221,17 @@ def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path,
     engines = ",".join(str(folders["engines"][k]) for k in (*KINDS, "dspark-int8"))
     code = main(["bench", "--engines", engines, "--prompts", "2", "--max-new-tokens", "10", "--check-tokens", "10",
                  "--speed-prompts", "2", "--speed-tokens", "6", "--kv-contexts", "8,40", "--threads", "1",
-                 "--compare", "llama.cpp", "--out", str(out)])
+                 "--compare", "llama.cpp", "--lookup-variants", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["backend"] == "ort"
-    for kind in (*KINDS, "dspark@int8"):
+    # every drafter with and without copies from the text, and copies alone on each weight format
+    configs = [*KINDS, "dspark@int8", *(k + "+lookup" for k in KINDS), "dspark+lookup@int8", "lookup", "lookup@int8"]
+    for kind in configs:
         assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 10,
                                             "against": "plain@int8" if "@" in kind else "plain"}
         assert report["acceptance"]["greedy"][kind]["tau"] >= 1.0
-    assert set(report["speed"]) == {"plain", "plain@int8", *KINDS, "dspark@int8"}
+    assert set(report["speed"]) == {"plain", "plain@int8", *configs}
     assert report["speed"]["dspark@int8"]["vs_own_plain"] > 0
     # the tiny target is an HF folder: llama.cpp is reported as not run, with the reason
     assert report["peers"]["llama.cpp"]["ran"] is False

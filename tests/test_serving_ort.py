@@ -69,7 +69,7 @@ def test_calibrate_writes_sps_next_to_the_manifest(folders, kind):
     table = calibrate(folders[kind], 2)
     pipe = Pipeline.from_engines(folders[kind])
     assert table.min_tokens == 1 and table.max_tokens >= 2 * (pipe.proposer.max_drafts + 1)
-    assert table.meta["slots"] == 2 and table.meta["backend"] == "ort" and table.meta["drafter"] == kind
+    assert table.meta["slots"] == 2 and table.meta["backend"] == "ort" and table.meta["drafter"] == kind + "+lookup"
     assert (folders[kind] / "sps.png").stat().st_size > 1000
     load_manifest(folders[kind], verify_checksums=True)  # the manifest's checksums still hold
 
@@ -117,13 +117,14 @@ def test_bench_serving_table_and_plot(folders, tmp_path):
                      "--out", str(out)]) == 0
     report = json.loads((out / "serving.json").read_text())
     rows = {(r["drafter"], r["mode"], r["concurrency"]): r for r in report["results"]}
-    expected = {("plain", "plain", c) for c in (1, 3)} | {(k, m, c) for k in KINDS for m in ("fixed", "scheduled")
-                                                          for c in (1, 3)}
+    # the folders record copies from the text (export's --lookup default): every drafter serves with them
+    expected = {("plain", "plain", c) for c in (1, 3)} | {(k + "+lookup", m, c) for k in KINDS
+                                                          for m in ("fixed", "scheduled") for c in (1, 3)}
     assert set(rows) == expected
     for r in rows.values():
         assert r["tok_s"] > 0 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"] and r["same_as_plain"] == 1.0
     table = (out / "serving.md").read_text()
-    assert "| dspark | scheduled | 3 |" in table and "same as plain" in table
+    assert "| dspark+lookup | scheduled | 3 |" in table and "same as plain" in table
     assert (out / "serving.png").stat().st_size > 1000
 
 

@@ -66,21 +66,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: drafts per step at most")
     p.add_argument("--block-tree-top-k", type=int, default=None,
                    help="DSpark/DFlash: candidates per position, a tree of --tree-tokens (default 1: a chain)")
+    p.add_argument("--lookup", type=int, default=None,
+                   help="drafts copied from the request's text grafted onto each drafter's (default: the engine "
+                        "folder's / 0 on torch; specrt.runtime.proposers.lookup)")
+    p.add_argument("--lookup-threshold", type=float, default=None)
+    p.add_argument("--lookup-variants", action="store_true",
+                   help="run each drafter with and without --lookup (default 16) copies, and the drafter-free "
+                        "lookup proposer on each plain configuration, in the same run")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--seed", type=int, default=0)
 
 
 def parse_drafters(text: str) -> dict[str, str | None]:
     from specrt.export.errors import SpecrtError
-    from specrt.runtime.proposers.factory import DRAFTER_KINDS
+    from specrt.runtime.proposers.factory import DRAFTER_KINDS, FREE_KINDS
 
     if not text:
         return {kind: None for kind in DRAFTER_KINDS}
     out: dict[str, str | None] = {}
     for item in text.split(","):
         kind, _, path = item.partition("=")
-        if kind not in DRAFTER_KINDS:
-            raise SpecrtError(f"--drafters: unknown kind {kind!r}", f"use KIND=PATH with KIND in {DRAFTER_KINDS}")
+        if kind not in DRAFTER_KINDS + FREE_KINDS:
+            raise SpecrtError(f"--drafters: unknown kind {kind!r}",
+                              f"use KIND=PATH with KIND in {DRAFTER_KINDS}, or {', '.join(FREE_KINDS)}")
         out[kind] = path or None
     return out
 
@@ -97,7 +105,37 @@ def draft_options(args: argparse.Namespace, base=None):
         args.confidence_threshold if args.confidence_threshold is not None else base.confidence_threshold,
         getattr(args, "max_drafts", None) or base.max_drafts,  # bench-serving reuses this without --max-drafts
         block_tree_top_k=getattr(args, "block_tree_top_k", None) or base.block_tree_top_k,
+        lookup=_given(args, "lookup", base.lookup), lookup_threshold=_given(args, "lookup_threshold", base.lookup_threshold),
+        lookup_min_match=base.lookup_min_match, lookup_max_match=base.lookup_max_match,
+        lookup_alone_above=base.lookup_alone_above,
     )
+
+
+def _given(args: argparse.Namespace, name: str, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -> None:
+    """--lookup-variants: beside each drafter X (run without copies), X+lookup; beside each plain P,
+    P's drafter-free lookup proposer. One run, so the ratios compare like with like."""
+    import dataclasses
+
+    from specrt.runtime.proposers.factory import lookup_proposer, with_lookup
+    from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+
+    options = dataclasses.replace(draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
+    for label, pipe in list(drafted.items()):
+        del drafted[label]
+        inner = getattr(pipe.proposer, "inner", pipe.proposer)  # the drafter alone, whatever the folder says
+        suffix = label[label.index("@"):] if "@" in label else ""
+        chain_only = bool(getattr(pipe.model, "two_row_decode", False))
+        drafted[inner.name + suffix] = pipe.with_proposer(inner)
+        drafted[inner.name + "+lookup" + suffix] = pipe.with_proposer(with_lookup(inner, options, chain_only=chain_only))
+    for label, pipe in plains.items():
+        if "(" in label:  # target-only folders timed under their own name
+            continue
+        drafted["lookup" + label[len("plain"):]] = pipe.with_proposer(lookup_proposer(options))
 
 
 def build_pipelines(args: argparse.Namespace):
@@ -140,9 +178,9 @@ def build_pipelines(args: argparse.Namespace):
     plain = Pipeline.from_checkpoint(args.target, device=args.device)
     shipped_for = plain.name if args.target is None else None
     options = draft_options(args)
-    drafted = {kind: plain.with_proposer(load_proposer(kind, path, plain.model, options, shipped_for))
-               for kind, path in parse_drafters(args.drafters).items()}
-    return {"plain": plain}, drafted, "torch"
+    proposers = [load_proposer(kind, path, plain.model, options, shipped_for)
+                 for kind, path in parse_drafters(args.drafters).items()]
+    return {"plain": plain}, {p.name: plain.with_proposer(p) for p in proposers}, "torch"
 
 
 def weights_suffix(manifest: dict) -> str:
@@ -176,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     compare = [c for c in args.compare.split(",") if c]
     plains, drafted, backend = build_pipelines(args)
+    if args.lookup_variants:
+        add_lookup_variants(plains, drafted, args)
     plain = plains.get("plain") or next(iter(plains.values()))
     tok = plain.tokenizer
     prompts = bench_prompts(args, tok, plain.name)

@@ -15,6 +15,8 @@ the buffers: the cost grows with the context the attention reads, never with a c
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,18 +52,25 @@ class OrtEngines:
     def name(self) -> str:
         return str(self.manifest.data.get("name", self.folder.name))
 
-    def proposer(self, options=None):
-        from specrt.runtime.proposers.factory import proposer_for
+    def proposer(self, options=None, lookup_only: bool = False):
+        """The folder's drafter as a proposer (None without one); lookup_only: the drafter-free
+        lookup proposer instead, which needs no drafter graph."""
+        from specrt.runtime.proposers.factory import lookup_proposer, proposer_for, with_lookup
 
+        options = options or manifest_draft_defaults(self.manifest.data)
+        if lookup_only:
+            return lookup_proposer(options)
         if self.drafter is None:
             return None
-        options = options or manifest_draft_defaults(self.manifest.data)
         if self.target.two_row_decode:
             if self.drafter_kind == "eagle3" and options.tree_top_k > 1:
                 options = exact_chain_options(options)
             elif self.drafter_kind != "eagle3" and options.block_tree_top_k > 1:
                 options = exact_block_chain_options(options)
-        return proposer_for(self.drafter_kind, self.drafter, options)
+        plain_options = dataclasses.replace(options, lookup=0)
+        # int8-activation engines are exact on chains only: one chain per step, not a tree of both
+        return with_lookup(proposer_for(self.drafter_kind, self.drafter, plain_options), options,
+                           chain_only=self.target.two_row_decode)
 
 
 def exact_chain_options(options):
@@ -98,10 +107,17 @@ def manifest_draft_defaults(data: dict[str, Any]):
     section = data.get("drafter") or {}
     tree = section.get("tree") or {}
     policy = section.get("policy") or {}
+    lookup = section.get("lookup") or {}  # folders exported before lookup existed: off
+    defaults = DraftOptions()
     return DraftOptions(
         tree_top_k=int(tree.get("top_k", 4)), tree_depth=int(tree.get("depth", 5)),
         tree_tokens=int(tree.get("total_tokens", 16)),
         confidence_threshold=float(policy.get("threshold") or 0.0),
+        lookup=int(lookup.get("max_tokens", 0)),
+        lookup_threshold=float(lookup.get("threshold", defaults.lookup_threshold)),
+        lookup_min_match=int(lookup.get("min_match", defaults.lookup_min_match)),
+        lookup_max_match=int(lookup.get("max_match", defaults.lookup_max_match)),
+        lookup_alone_above=float(lookup.get("alone_above", defaults.lookup_alone_above)),
     )
 
 

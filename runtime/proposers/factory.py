@@ -14,6 +14,8 @@ from specrt.export.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark")
+# proposers that need no drafter checkpoint: "lookup" copies from the request's own text
+FREE_KINDS = ("lookup",)
 
 
 @dataclass
@@ -26,6 +28,13 @@ class DraftOptions:
     max_drafts: int | None = None  # DSpark / DFlash: at most this many drafts per step (None: the block)
     # DSpark / DFlash: candidates per tree node (1 = a chain); a tree has tree_tokens - 1 nodes at most
     block_tree_top_k: int = 1
+    # drafts copied from the request's own text and grafted onto the drafter's (0: off); see
+    # specrt.runtime.proposers.lookup. Also the chain length of the drafter-free "lookup" kind.
+    lookup: int = 0
+    lookup_threshold: float = 0.3
+    lookup_min_match: int = 1
+    lookup_max_match: int = 8
+    lookup_alone_above: float = 0.8  # a copy this sure of its first token is verified without the drafter
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -43,6 +52,23 @@ class DraftOptions:
                 f"confidence threshold {self.confidence_threshold} is outside [0, 1]",
                 "pass --confidence-threshold between 0 (verify every draft) and 1",
             )
+        if self.lookup < 0:
+            raise SpecrtError(f"--lookup must be >= 0, got {self.lookup}", "pass 0 (off) or the copied drafts per step")
+        from specrt.runtime.proposers.lookup import check_lookup_settings
+
+        check_lookup_settings(max(self.lookup, 1), self.lookup_min_match, self.lookup_max_match,
+                              self.lookup_threshold)
+
+    def lookup_settings(self) -> dict:
+        from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+
+        return {"max_tokens": self.lookup or DEFAULT_LOOKUP_TOKENS, "min_match": self.lookup_min_match,
+                "max_match": self.lookup_max_match, "threshold": self.lookup_threshold}
+
+    def lookup_manifest(self) -> dict:
+        """The lookup defaults an engine folder records (`drafter.lookup` in manifest.json)."""
+        return {"max_tokens": self.lookup, "threshold": self.lookup_threshold, "min_match": self.lookup_min_match,
+                "max_match": self.lookup_max_match, "alone_above": self.lookup_alone_above}
 
 
 def load_proposer(
@@ -57,8 +83,11 @@ def load_proposer(
     from specrt.export.shipped import shipped_drafter
 
     options = options or DraftOptions()
+    if kind in FREE_KINDS:
+        return lookup_proposer(options)
     if kind not in DRAFTER_KINDS:
-        raise SpecrtError(f"unknown drafter {kind!r}", f"use one of {', '.join(DRAFTER_KINDS)} (or none)")
+        raise SpecrtError(f"unknown drafter {kind!r}",
+                          f"use one of {', '.join(DRAFTER_KINDS + FREE_KINDS)} (or none)")
     if checkpoint is None and target_name is not None:
         checkpoint = shipped_drafter(kind, target_name)
     if checkpoint is None:
@@ -83,9 +112,33 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
     from specrt.runtime.proposers.eagle3 import Eagle3Proposer
 
     options = options or DraftOptions()
+    if kind in FREE_KINDS:
+        return lookup_proposer(options)
     if kind == "eagle3":
         # the threshold only cuts chains (top_k 1); trees rank their nodes by path probability instead
-        return Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens,
-                              threshold=options.confidence_threshold)
-    return BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts,
-                         tree_top_k=options.block_tree_top_k, tree_tokens=options.tree_tokens)
+        proposer = Eagle3Proposer(drafter, options.tree_top_k, options.tree_depth, options.tree_tokens,
+                                  threshold=options.confidence_threshold)
+    else:
+        proposer = BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts,
+                                 tree_top_k=options.block_tree_top_k, tree_tokens=options.tree_tokens)
+    return with_lookup(proposer, options)
+
+
+def lookup_proposer(options: DraftOptions):
+    """The drafter-free proposer: drafts copied from the request's own text."""
+    from specrt.runtime.proposers.lookup import LookupProposer
+
+    return LookupProposer(**options.lookup_settings())
+
+
+def with_lookup(proposer, options: DraftOptions, chain_only: bool = False):
+    """`proposer`, with the lookup chain grafted on when options.lookup > 0.
+
+    chain_only: engines that verify chains only get one chain per step (the lookup copy or the
+    drafter's, whichever expects more accepted tokens), not a tree of both."""
+    if options.lookup <= 0 or proposer is None or proposer.name == "lookup":
+        return proposer
+    from specrt.runtime.proposers.lookup import WithLookup
+
+    return WithLookup(proposer, chain_only=chain_only, alone_above=options.lookup_alone_above,
+                      **options.lookup_settings())

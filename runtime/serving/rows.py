@@ -49,6 +49,8 @@ def proposer_prefix_view(proposer, hi: int):
     """The proposer over rows 0..hi-1 (shared per-row lists, sliced caches), or the proposer itself."""
     if proposer is None or hi >= getattr(proposer, "batch_size", hi):
         return proposer
+    if hasattr(proposer, "prefix_view"):  # a wrapper (WithLookup) slices what it wraps
+        return proposer.prefix_view(hi)
     k, v = getattr(proposer, "k_cache", None), getattr(proposer, "v_cache", None)
     if k is None or v is None or k.dim() != 5:
         return proposer

@@ -1,0 +1,389 @@
+"""Drafts looked up in the request's own text: prompt lookup, alone or grafted onto a drafter's tree.
+
+Why. A small target repeats itself: SmolLM2-135M's greedy answers to MT-bench quote the prompt,
+restate lists and fall into loops. Measured on its plain greedy output for the 80 first turns (256
+tokens, `tools/bench_lookup.py`): continuing the longest earlier match of the current suffix
+predicts the next tokens well enough that lookup alone would give tau ~2.0 with 8 drafts. A lookup
+costs a few dict probes on the host, no drafter forward, so on a CPU its drafts cost only their
+verify rows.
+
+How (`NgramIndex`, one per request row). The row's history is every committed token plus the
+anchor. For n = 1..max_match the index maps each n-gram to the position right after its most
+recent occurrence whose next token is known, updated as tokens arrive (n dict writes per token).
+To draft, take the longest suffix of the history (n from max_match down to min_match) that occurred
+before and copy up to `max_tokens` tokens that followed it; a copy that runs into the end of the
+history continues from its own start (a loop of period p repeats with period p).
+
+`LookupProposer` drafts that chain alone (`--drafter lookup`: speculation on a target with no
+drafter at all). `WithLookup(inner)` grafts the chain onto another proposer's proposal: it walks
+the chain down the inner tree, reusing a node where the inner tree already has that token under
+the same parent and appending new nodes (children of the last matching node) where it does not.
+The verify step then checks both; the accepted path is whichever the target agrees with further.
+
+Lossless. The lookup drafts are chosen deterministically from committed tokens, so verification
+treats them as point masses (`draft_probs` None, or a one-hot row beside a sampling drafter's rows;
+`specrt.runtime.verify` explains why a point mass is exact for drafts chosen in any way). Grafting
+never removes or reorders the inner proposal's nodes, so a sampled inner chain keeps its
+proposal distributions.
+
+Gating and survival. Each copied token's chance of being right is estimated from the proposer's
+own record since the last `reset` (one generate call; a serving batcher's lifetime): per length of
+the suffix match and per draft depth d, how often the d-th copied token matched what the target
+emitted, given the d-1 before it did (a Beta(1, 1) prior). A copy is verified while the product of
+those rates stays at least `threshold` (loops get long copies, one-token matches short ones or
+none), and a copy whose first token is at least `alone_above` likely is verified without asking
+the drafter at all. A grafted node's survival (read by the serving scheduler) is at most its
+parent's, so it never increases along a path.
+
+Chains only on int8-activation engines (see `backends.ort_backend.exact_chain_options`): there the
+proposal must stay a chain, so `chain_only` verifies one chain per step: the copy when its summed
+survival beats the drafter chain's, else the drafter's (`graft_chain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specrt.export.errors import SpecrtError
+from specrt.runtime.proposers.base import Proposal, _depth
+from specrt.runtime.sampling import SamplingParams
+
+DEFAULT_LOOKUP_TOKENS = 16
+DEFAULT_MIN_MATCH = 1
+DEFAULT_MAX_MATCH = 8
+DEFAULT_LOOKUP_THRESHOLD = 0.3  # verify a copied token while its estimated survival is at least this
+DEFAULT_ALONE_ABOVE = 0.8  # a copy whose first token is this likely right is verified without the drafter's
+
+
+def check_lookup_settings(max_tokens: int, min_match: int, max_match: int, threshold: float) -> None:
+    if max_tokens < 1:
+        raise SpecrtError(f"lookup drafts per step must be >= 1, got {max_tokens}",
+                          "pass --lookup N with N >= 1 (0 turns lookup off)")
+    if not 1 <= min_match <= max_match:
+        raise SpecrtError(f"bad lookup match lengths: min {min_match}, max {max_match}",
+                          "use 1 <= --lookup-min-match <= --lookup-max-match")
+    if not 0.0 <= threshold <= 1.0:
+        raise SpecrtError(f"lookup threshold {threshold} is outside [0, 1]",
+                          "pass --lookup-threshold between 0 (verify every copied token) and 1")
+
+
+class NgramIndex:
+    """One row's history and the last position that followed each of its n-grams (n <= max_match)."""
+
+    def __init__(self, max_match: int) -> None:
+        self.max_match = max_match
+        self.tokens: list[int] = []
+        self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_match + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        hist, after = self.tokens, self.after
+        for tok in tokens:
+            j = len(hist)
+            # hist[j-n:j] is followed by the token arriving at j: the most recent occurrence wins
+            for n in range(1, min(self.max_match, j) + 1):
+                after[n][tuple(hist[j - n:j])] = j
+            hist.append(int(tok))
+
+    def continuation(self, max_tokens: int, min_match: int) -> tuple[list[int], int]:
+        """(tokens that followed the longest earlier match of the history's suffix, match length)."""
+        hist = self.tokens
+        for n in range(min(self.max_match, len(hist) - 1), min_match - 1, -1):
+            j = self.after[n].get(tuple(hist[len(hist) - n:]))
+            if j is None:
+                continue
+            out: list[int] = []
+            while len(out) < max_tokens:
+                # past the end of the history the copy reads its own tokens: a loop keeps its period
+                out.append(hist[j] if j < len(hist) else out[j - len(hist)])
+                j += 1
+            return out, n
+        return [], 0
+
+
+@dataclass
+class HitRecord:
+    """Per match length n and draft depth d: how often a copied token matched what the target committed.
+
+    A 1-token match is a weak cue (its first copy is right ~1 time in 5 on MT-bench), a 6-token one
+    is a loop (right ~19 times in 20): the rates are kept per match length, capped at max_match."""
+
+    trials: dict[int, list[int]] = field(default_factory=dict)
+    hits: dict[int, list[int]] = field(default_factory=dict)
+
+    def rate(self, match: int, depth: int) -> float:
+        """P(copy at depth d right | the d-1 before it right) after a match of length `match`;
+        a Beta(1, 1) prior until there is a record. depth counts from 1."""
+        trials = self.trials.get(match, ())
+        if depth > len(trials):
+            return 0.5
+        return (self.hits[match][depth - 1] + 1) / (trials[depth - 1] + 2)
+
+    def survival(self, match: int, n: int, start: float = 1.0) -> list[float]:
+        """P(copies 1..d all right) for d = 1..n, times `start` (the parent's survival)."""
+        out, s = [], start
+        for d in range(1, n + 1):
+            s *= self.rate(match, d)
+            out.append(s)
+        return out
+
+    def record(self, match: int, drafted: Sequence[int], truth: Sequence[int]) -> None:
+        """drafted: the copied chain; truth: the tokens the target emitted after the same anchor."""
+        trials = self.trials.setdefault(match, [])
+        hits = self.hits.setdefault(match, [])
+        for i, (d, t) in enumerate(zip(drafted, truth)):
+            if len(trials) <= i:
+                trials.append(0)
+                hits.append(0)
+            trials[i] += 1
+            if d != t:
+                return
+            hits[i] += 1
+
+
+@dataclass
+class LookupChain:
+    tokens: list[int]
+    match: int  # length of the suffix match the copy came from (0: none)
+    survival: list[float]  # the record's estimate for each copy, non-increasing
+
+
+class NgramLookup:
+    """The lookup state of a batch: one index per row, the last chain drafted per row, the record."""
+
+    def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
+                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD) -> None:
+        check_lookup_settings(max_tokens, min_match, max_match, threshold)
+        self.max_tokens, self.min_match, self.max_match = int(max_tokens), int(min_match), int(max_match)
+        self.threshold = float(threshold)
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        # a fresh record per generate call: what is drafted must not depend on earlier calls, or the
+        # same seed would consume its random stream differently and give other text. (A serving
+        # batcher resets once and frees rows one by one, so there the record spans requests.)
+        self.record = HitRecord()
+        self.index = [NgramIndex(self.max_match) for _ in range(batch_size)]
+        self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
+        self.drafted: list[LookupChain | None] = [None] * batch_size
+
+    def reset_row(self, row: int) -> None:
+        self.index[row] = NgramIndex(self.max_match)
+        self.lengths[row] = 0
+        self.drafted[row] = None
+
+    def observe(self, rows, tokens, next_tokens) -> None:
+        for b, toks, nxt in zip(rows, tokens, next_tokens):
+            toks = [int(t) for t in toks]
+            index = self.index[b]
+            last = self.drafted[b]
+            if last is not None and last.match > 0:
+                # what the target emitted after the old anchor: the accepted drafts, then the bonus.
+                # The whole copy is scored, also the part the threshold kept out of the verify step.
+                self.record.record(last.match, last.tokens, toks[1:] + [int(nxt)])
+            self.drafted[b] = None
+            # the old anchor (toks[0]) is already the last indexed token, unless the row is new
+            new = toks[1:] if index.tokens else toks
+            index.extend(new + [int(nxt)])
+            self.lengths[b] += len(toks)
+
+    def chain(self, row: int, start: float = 1.0) -> LookupChain:
+        """Row's copy, cut where its estimated survival (times `start`) falls below the threshold.
+
+        The cut depends only on committed tokens and past records, never on this step's target
+        output, so verification stays lossless."""
+        tokens, match = self.index[row].continuation(self.max_tokens, self.min_match)
+        self.drafted[row] = LookupChain(tokens, match, [])
+        survival = self.record.survival(match, len(tokens), start) if match else []
+        keep = 0
+        while keep < len(tokens) and survival[keep] >= self.threshold:
+            keep += 1
+        return LookupChain(tokens[:keep], match, survival[:keep])
+
+
+class LookupProposer:
+    """Speculation without a drafter: each row's draft is the lookup chain (module docstring)."""
+
+    name = "lookup"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
+                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD) -> None:
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold)
+        self.max_drafts = self.lookup.max_tokens
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.lookup.lengths
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lookup.lengths)
+
+    def reset(self, batch_size: int, capacity: int) -> None:
+        self.lookup.reset(batch_size)
+
+    def reset_row(self, row: int) -> None:
+        self.lookup.reset_row(row)
+
+    def context_length(self, row: int) -> int:
+        return self.lookup.lengths[row]
+
+    def observe(self, rows, tokens, taps, next_tokens) -> None:
+        self.lookup.observe(rows, tokens, next_tokens)
+
+    def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        out = []
+        for b in rows:
+            c = self.lookup.chain(b)
+            out.append(Proposal.chain(torch.tensor(c.tokens, dtype=torch.long), None,
+                                      torch.tensor(c.survival, dtype=torch.float32)))
+        return out
+
+
+class WithLookup:
+    """Another proposer's drafts with the lookup chain grafted on (module docstring)."""
+
+    def __init__(self, inner, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
+                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
+                 chain_only: bool = False, alone_above: float = DEFAULT_ALONE_ABOVE) -> None:
+        self.inner = inner
+        self.alone_above = float(alone_above)
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold)
+        self.chain_only = chain_only
+        self.name = f"{inner.name}+lookup"
+        self.tap_layers = tuple(inner.tap_layers)
+        # a chain-only graft replaces the inner chain, so it is never longer than the longer of the two
+        self.max_drafts = (max(inner.max_drafts, self.lookup.max_tokens) if chain_only
+                           else inner.max_drafts + self.lookup.max_tokens)
+
+    # the serving batcher reads and sets the confidence threshold of the drafter it drives
+    @property
+    def threshold(self) -> float:
+        return self.inner.threshold
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self.inner.threshold = value
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lookup.lengths)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.inner.lengths
+
+    def __getattr__(self, name: str):
+        # other attributes the serving code probes on a drafter (block_size, ...): the inner one's
+        if name in ("inner", "__setstate__", "__deepcopy__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reset(self, batch_size: int, capacity: int) -> None:
+        self.inner.reset(batch_size, capacity)
+        self.lookup.reset(batch_size)
+
+    def reset_row(self, row: int) -> None:
+        from specrt.runtime.serving.rows import reset_proposer_row
+
+        reset_proposer_row(self.inner, row)
+        self.lookup.reset_row(row)
+
+    def prefix_view(self, hi: int) -> "WithLookup":
+        """Rows 0..hi-1 (serving): the inner proposer's view over the same lookup state."""
+        import copy
+
+        from specrt.runtime.serving.rows import proposer_prefix_view
+
+        view = copy.copy(self)
+        view.inner = proposer_prefix_view(self.inner, hi)
+        return view
+
+    def context_length(self, row: int) -> int:
+        return self.inner.context_length(row)
+
+    def observe(self, rows, tokens, taps, next_tokens) -> None:
+        self.inner.observe(rows, tokens, taps, next_tokens)
+        self.lookup.observe(rows, tokens, next_tokens)
+
+    def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        chains = {b: self.lookup.chain(b) for b in rows}
+        # a confident copy (inside a loop, say) is verified alone: the drafter's forward is skipped.
+        # The choice reads only the history, never this step's target output: still lossless.
+        ask = [b for b in rows if not chains[b].survival or chains[b].survival[0] < self.alone_above]
+        if ask and hasattr(self.inner, "block_size"):
+            # a block drafter writes scratch K/V over the context of every row it is not asked about
+            # (`BlockProposer.propose`), and drafts all rows in one forward anyway: ask for all of them
+            ask = list(rows)
+        inner = dict(zip(ask, self.inner.propose(ask, [a for b, a in zip(rows, anchors) if b in set(ask)],
+                                                 sampling, generator))) if ask else {}
+        out = []
+        for b in rows:
+            c = chains[b]
+            if b not in inner:
+                out.append(Proposal.chain(torch.tensor(c.tokens, dtype=torch.long), None,
+                                          torch.tensor(c.survival, dtype=torch.float32)))
+            elif self.chain_only:
+                out.append(graft_chain(inner[b], c))
+            else:
+                out.append(graft_tree(inner[b], c))
+        return out
+
+
+def graft_tree(p: Proposal, chain: LookupChain) -> Proposal:
+    """p with the lookup chain merged in as a branch from the anchor (module docstring)."""
+    if not chain.tokens:
+        return p
+    tokens = p.tokens.tolist()
+    parents = p.parents.tolist()
+    survival = None if p.survival is None else p.survival.tolist()
+    children: dict[tuple[int, int], int] = {}
+    for i, (par, tok) in enumerate(zip(parents, tokens)):
+        children.setdefault((par, tok), i)  # the lowest index, as greedy tree verification picks
+    added: list[int] = []
+    cur = -1
+    for depth, tok in enumerate(chain.tokens, start=1):
+        node = children.get((cur, tok))
+        if node is None:
+            node = len(tokens)
+            tokens.append(tok)
+            parents.append(cur)
+            added.append(node)
+            if survival is not None:
+                # below the parent (never increasing along a path), at most the copy's own estimate
+                parent = survival[cur] if cur >= 0 else 1.0
+                survival.append(min(parent, chain.survival[depth - 1]))
+            children[(cur, tok)] = node
+        cur = node
+    if not added:
+        return p
+    probs = p.draft_probs
+    if probs is not None:
+        # one-hot rows: a point mass is the exact proposal law of a deterministic draft
+        extra = torch.zeros(len(added), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        extra[torch.arange(len(added)), torch.tensor([tokens[i] for i in added])] = 1.0
+        probs = torch.cat([probs, extra])
+    parents_t = torch.tensor(parents, dtype=torch.long)
+    is_chain = bool(torch.equal(parents_t, torch.arange(-1, len(parents) - 1)))
+    return Proposal(torch.tensor(tokens, dtype=torch.long), parents_t, probs, is_chain, _depth(parents_t),
+                    None if survival is None else torch.tensor(survival, dtype=torch.float32))
+
+
+def graft_chain(p: Proposal, chain: LookupChain) -> Proposal:
+    """One chain, for engines that verify chains only: the lookup copy where it expects more accepted
+    tokens than p (sum of survivals; a drafter without survivals counts .5 per draft), else p.
+
+    The copy replaces p whole, as point masses: keeping p's sampled drafts only where they agree
+    with the copy would choose them by their own tokens, which is not lossless."""
+    if not chain.tokens:
+        return p
+    if not p.is_chain:
+        raise ValueError("graft_chain needs a chain proposal")
+    inner_gain = float(p.survival.sum()) if p.survival is not None else 0.5 * len(p)
+    if sum(chain.survival) <= inner_gain:
+        return p
+    survival = torch.tensor(chain.survival, dtype=torch.float32) if p.survival is not None else None
+    return Proposal.chain(torch.tensor(chain.tokens, dtype=torch.long), None, survival)
