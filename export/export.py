@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup", type=int, default=16,
                         help="drafts copied from the request's own text per step, grafted onto the drafter's "
                              "(manifest default; 0: off; specrt.runtime.proposers.lookup)")
-    parser.add_argument("--lookup-threshold", type=float, default=0.3,
+    parser.add_argument("--lookup-threshold", type=float, default=0.15,
                         help="verify a copied draft while its estimated survival is at least this (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
     q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),

@@ -66,7 +66,7 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     d.add_argument("--lookup", type=int, default=16,
                    help="drafts copied from the request's own text per step, grafted onto the drafter's (0: off; "
                    "--drafter lookup: the chain length). Engine folders: the manifest's default unless given")
-    d.add_argument("--lookup-threshold", type=float, default=0.3,
+    d.add_argument("--lookup-threshold", type=float, default=0.15,
                    help="verify a copied draft while its estimated survival stays at least this")
     return d
 

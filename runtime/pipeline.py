@@ -54,6 +54,7 @@ class Pipeline:
         self._engine = None
         self.config = model.config
         self.source: str | None = None  # the target checkpoint the weights came from (GGUF / HF folder)
+        self.folder: Path | None = None  # the engine folder (ort backend)
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -70,7 +71,7 @@ class Pipeline:
         options = SessionOptions(device=device, threads=threads)
         lookup_only = drafter == "lookup"  # needs no drafter graph: any engine folder can run it
         engines = load_engines(folder, options, with_drafter=drafter not in ("none", "lookup"),
-                               verify_checksums=verify_checksums)
+                               verify_checksums=verify_checksums, lookup_only=lookup_only)
         if drafter not in ("auto", "none", "lookup") and engines.drafter_kind != drafter:
             raise SpecrtError(
                 f"{folder} holds a {engines.drafter_kind or 'target-only'} engine, not {drafter}",
@@ -80,6 +81,7 @@ class Pipeline:
         pipe = cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
                    lambda capacity, batch, spare: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
         pipe.source = engines.manifest.data["target"].get("source")
+        pipe.folder = Path(folder)
         return pipe
 
     @classmethod
@@ -104,7 +106,7 @@ class Pipeline:
     def with_proposer(self, proposer) -> "Pipeline":
         """A pipeline over the same loaded target (sessions / weights shared) with another proposer."""
         pipe = Pipeline(self.model, self.tokenizer, proposer, self.name, self.backend, self._engine_factory)
-        pipe.source = self.source
+        pipe.source, pipe.folder = self.source, self.folder
         return pipe
 
     # -- generation ------------------------------------------------------------------------------

@@ -208,6 +208,22 @@ def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     assert bad.returncode == 2 and "--engines" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_copies_alone_run_on_a_target_only_folder(folders):
+    """`--drafter lookup` needs no drafter graph: the folder exported with --drafter none speculates."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specrt.runtime", "generate", "--engines", str(folders["engines"]["none"]),
+         "--drafter", "lookup", "--prompt", "w5 w9 w5 w9 w5", "--no-chat-template", "--max-new-tokens", "24",
+         "--speedup", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "drafter: lookup" in out.stderr and "identical output" in out.stderr
+    pipe = Pipeline.from_engines(folders["engines"]["dspark"], drafter="lookup")
+    assert pipe.proposer.name == "lookup" and pipe.proposer.tap_layers == ()
+    plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
+    assert pipe.generate_ids(PROMPTS, 24).tokens == plain.tokens
+
+
 def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path, monkeypatch, capsys):
     """`specrt bench --engines a,b,c` on the tiny engines: tables, plots, lossless counts, peer notes."""
     import json
@@ -231,7 +247,8 @@ def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path,
         assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 10,
                                             "against": "plain@int8" if "@" in kind else "plain"}
         assert report["acceptance"]["greedy"][kind]["tau"] >= 1.0
-    assert set(report["speed"]) == {"plain", "plain@int8", *configs}
+    # plain decoding also on sessions of its own (no drafter graph: spinning pool threads, as --drafter none)
+    assert set(report["speed"]) == {"plain", "plain@int8", "plain (target only)", "plain@int8 (target only)", *configs}
     assert report["speed"]["dspark@int8"]["vs_own_plain"] > 0
     # the tiny target is an HF folder: llama.cpp is reported as not run, with the reason
     assert report["peers"]["llama.cpp"]["ran"] is False

@@ -122,11 +122,12 @@ def manifest_draft_defaults(data: dict[str, Any]):
 
 
 def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,
-                 verify_checksums: bool = True, use_fused: bool = True) -> OrtEngines:
+                 verify_checksums: bool = True, use_fused: bool = True, lookup_only: bool = False) -> OrtEngines:
     """Validate the manifest (checksums included) and open one session per graph.
 
     use_fused: run single streams on the folder's ORT-fused target graph when it has one (CPU); the
-    portable graph then loads on the first batched call. False: the portable graph only."""
+    portable graph then loads on the first batched call. False: the portable graph only.
+    lookup_only: no drafter graph is loaded, but the target will verify copied drafts."""
     from specrt.export.tokenizer import chat_tokenizer_from_folder
 
     options = options or SessionOptions()
@@ -166,7 +167,8 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
     # how the context was fed whatever the row count); with no drafter loaded there is nothing to
     # reproduce, and one-row calls are ~10% faster (docs/numbers.md)
-    target.two_row_decode = int8_activations and drafting and fused is not None
+    # (speculating with copies from the text only, lookup_only, needs it as much as a drafter does)
+    target.two_row_decode = int8_activations and (drafting or lookup_only) and fused is not None
     drafter, kind = None, manifest.drafter_kind
     if drafting:
         section = data["drafter"]

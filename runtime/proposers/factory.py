@@ -31,7 +31,7 @@ class DraftOptions:
     # drafts copied from the request's own text and grafted onto the drafter's (0: off); see
     # specrt.runtime.proposers.lookup. Also the chain length of the drafter-free "lookup" kind.
     lookup: int = 0
-    lookup_threshold: float = 0.3
+    lookup_threshold: float = 0.15
     lookup_min_match: int = 1
     lookup_max_match: int = 8
     lookup_alone_above: float = 0.8  # a copy this sure of its first token is verified without the drafter

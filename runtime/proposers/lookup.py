@@ -1,11 +1,12 @@
 """Drafts looked up in the request's own text: prompt lookup, alone or grafted onto a drafter's tree.
 
 Why. A small target repeats itself: SmolLM2-135M's greedy answers to MT-bench quote the prompt,
-restate lists and fall into loops. Measured on its plain greedy output for the 80 first turns (256
-tokens, `tools/bench_lookup.py`): continuing the longest earlier match of the current suffix
-predicts the next tokens well enough that lookup alone would give tau ~2.0 with 8 drafts. A lookup
-costs a few dict probes on the host, no drafter forward, so on a CPU its drafts cost only their
-verify rows.
+restate lists and fall into loops. Replayed over its plain greedy output for the 80 first turns
+(256 tokens), continuing the longest earlier match of the current suffix and verifying up to 8
+copied tokens every step would give tau ~2.0; how often the first copied token is right grows with
+the length of the match (~.2 after a 1-token match, ~.5 after 2, ~.95 after 6 or more, where the
+text loops). A lookup costs a few dict probes on the host and no drafter forward, so on a CPU its
+drafts cost only their verify rows (measured: docs/numbers.md, session 12).
 
 How (`NgramIndex`, one per request row). The row's history is every committed token plus the
 anchor. For n = 1..max_match the index maps each n-gram to the position right after its most
@@ -54,7 +55,7 @@ from specrt.runtime.sampling import SamplingParams
 DEFAULT_LOOKUP_TOKENS = 16
 DEFAULT_MIN_MATCH = 1
 DEFAULT_MAX_MATCH = 8
-DEFAULT_LOOKUP_THRESHOLD = 0.3  # verify a copied token while its estimated survival is at least this
+DEFAULT_LOOKUP_THRESHOLD = 0.15  # verify a copied token while its estimated survival is at least this
 DEFAULT_ALONE_ABOVE = 0.8  # a copy whose first token is this likely right is verified without the drafter's
 
 
