@@ -9,6 +9,7 @@
     pipe.generate("Hi", speculative=False)                                           # plain decoding
 
     pipe = Pipeline.from_checkpoint(drafter="dspark", drafter_ckpt="runs/dspark/drafter")   # torch
+    pipe = Pipeline.from_engines("engines/NAME", drafter="lookup")    # copies from the text, no drafter
 
 Both constructors give the same object over the same loop (`generate_speculative` /
 `generate_autoregressive`); only the engine behind it differs. The KV cache is allocated once, sized
@@ -63,7 +64,8 @@ class Pipeline:
         """An engine folder written by `specrt export`, run by ONNX Runtime.
 
         drafter: "auto" uses the folder's drafter (plain decoding when it has none), "none" skips it,
-        a kind ("eagle3", ...) insists on that kind.
+        a kind ("eagle3", ...) insists on that kind, "lookup" speculates with copies from the text
+        alone (any folder; `specrt.runtime.proposers.lookup`).
         """
         from specrt.runtime.backends.ort_backend import OrtTargetEngine, load_engines
         from specrt.runtime.backends.ort_session import SessionOptions

@@ -27,13 +27,13 @@ from specrt.runtime.speculative import generate_speculative
 from specrt.runtime.tree import check_parents, node_depths
 from test_speculative import (
     PROMPTS,
-    SMALL_VOCAB,
     block,
     chi_square_pvalue,
     eagle3,
     exact_first_tokens,
     plain,
     sampled,
+    small_target,  # noqa: F401  (a fixture: spread-out distributions, so sampling matters)
     tiny_target,
 )
 
@@ -194,16 +194,8 @@ def test_copies_are_accepted_when_the_target_repeats(target):
     assert tau > 1.5, tau
 
 
-@pytest.fixture(scope="module")
-def small_target():
-    model = tiny_target(vocab=SMALL_VOCAB, seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.25)
-    return model
-
-
 @pytest.mark.parametrize("kind", ["lookup", "eagle3+lookup", "dflash+lookup"])
-def test_sampling_with_copies_keeps_the_target_distribution(small_target, kind):
+def test_sampling_with_copies_keeps_the_target_distribution(small_target, kind):  # noqa: F811
     params = SamplingParams(temperature=0.9, top_k=5, seed=1234)
     prompt = [1, 4, 1, 4, 1]  # repeats: the copy proposes from the first step
     proposer = {"lookup": lambda: LookupProposer(max_tokens=3, threshold=0.0),
@@ -214,7 +206,7 @@ def test_sampling_with_copies_keeps_the_target_distribution(small_target, kind):
     assert chi_square_pvalue(sampled(small_target, proposer, prompt, params, 3), exact, 3) > 1e-3
 
 
-def test_the_sampling_test_catches_copies_accepted_without_the_test(small_target, monkeypatch):
+def test_the_sampling_test_catches_copies_accepted_without_the_test(small_target, monkeypatch):  # noqa: F811
     import specrt.runtime.speculative as loop
 
     def accept_everything(tokens, draft_probs, target_probs, generator=None):

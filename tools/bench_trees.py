@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     from specrt.tools.datasets import mtbench_questions
 
     pipe = Pipeline.from_engines(args.engines, threads=args.threads)
-    if pipe.proposer is None or pipe.proposer.name != "eagle3":
+    drafting = getattr(pipe.proposer, "inner", pipe.proposer)  # the drafter without the folder's copies
+    if drafting is None or drafting.name != "eagle3":
         raise SystemExit(f"{args.engines} holds no EAGLE-3 drafter")
-    drafter = pipe.proposer.drafter
+    drafter = drafting.drafter  # shapes are timed for the drafter alone (no copies from the text)
     configs: dict[str, Pipeline] = {"plain": pipe}
     for k, d, n, threshold in parse_shapes(args.shapes):
         options = DraftOptions(tree_top_k=k, tree_depth=d, tree_tokens=n, confidence_threshold=threshold)
