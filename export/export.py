@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterator
 
 from specrt.export.errors import SpecrtError, run_reporting_errors
+from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_THRESHOLD, DEFAULT_LOOKUP_TOKENS
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")
 _DTYPE_FLAGS = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16"}
@@ -60,10 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-depth", type=int, default=2, help="EAGLE-3 tree: depth (manifest default)")
     parser.add_argument("--tree-tokens", type=int, default=4, help="EAGLE-3 tree: verify tokens (manifest default)")
     parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
-    parser.add_argument("--lookup", type=int, default=16,
+    parser.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP_TOKENS,
                         help="drafts copied from the request's own text per step, grafted onto the drafter's "
                              "(manifest default; 0: off; specrt.runtime.proposers.lookup)")
-    parser.add_argument("--lookup-threshold", type=float, default=0.15,
+    parser.add_argument("--lookup-threshold", type=float, default=DEFAULT_LOOKUP_THRESHOLD,
                         help="verify a copied draft while its estimated survival is at least this (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
     q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),

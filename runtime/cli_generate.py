@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_THRESHOLD, DEFAULT_LOOKUP_TOKENS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="user message (default: read stdin)")
@@ -63,10 +65,10 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     d.add_argument("--confidence-threshold", type=float, default=0.1,
                    help="DSpark/DFlash/EAGLE-3 chains (--tree-top-k 1): verify drafts while their survival "
                    "probability stays above this")
-    d.add_argument("--lookup", type=int, default=16,
+    d.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP_TOKENS,
                    help="drafts copied from the request's own text per step, grafted onto the drafter's (0: off; "
                    "--drafter lookup: the chain length). Engine folders: the manifest's default unless given")
-    d.add_argument("--lookup-threshold", type=float, default=0.15,
+    d.add_argument("--lookup-threshold", type=float, default=DEFAULT_LOOKUP_THRESHOLD,
                    help="verify a copied draft while its estimated survival stays at least this")
     return d
 

@@ -118,7 +118,7 @@ def test_int8_activation_engines_turn_every_tree_into_a_chain(monkeypatch):
     from specrt.runtime.proposers.factory import DraftOptions
 
     seen = []
-    monkeypatch.setattr(factory, "proposer_for", lambda kind, drafter, options: seen.append(options))
+    monkeypatch.setattr(factory, "proposer_for", lambda kind, drafter, options, **kw: seen.append(options))
     target = types.SimpleNamespace(two_row_decode=True)
     for kind in ("dflash", "eagle3"):
         engines = OrtEngines(Path("x"), None, target, object(), kind, None, None)

@@ -15,8 +15,6 @@ the buffers: the cost grows with the context the attention reads, never with a c
 
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +53,7 @@ class OrtEngines:
     def proposer(self, options=None, lookup_only: bool = False):
         """The folder's drafter as a proposer (None without one); lookup_only: the drafter-free
         lookup proposer instead, which needs no drafter graph."""
-        from specrt.runtime.proposers.factory import lookup_proposer, proposer_for, with_lookup
+        from specrt.runtime.proposers.factory import lookup_proposer, proposer_for
 
         options = options or manifest_draft_defaults(self.manifest.data)
         if lookup_only:
@@ -67,10 +65,8 @@ class OrtEngines:
                 options = exact_chain_options(options)
             elif self.drafter_kind != "eagle3" and options.block_tree_top_k > 1:
                 options = exact_block_chain_options(options)
-        plain_options = dataclasses.replace(options, lookup=0)
         # int8-activation engines are exact on chains only: one chain per step, not a tree of both
-        return with_lookup(proposer_for(self.drafter_kind, self.drafter, plain_options), options,
-                           chain_only=self.target.two_row_decode)
+        return proposer_for(self.drafter_kind, self.drafter, options, chain_only=self.target.two_row_decode)
 
 
 def exact_chain_options(options):

@@ -12,6 +12,14 @@ from pathlib import Path
 
 from specrt.export.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
+from specrt.runtime.proposers.lookup import (
+    DEFAULT_ALONE_ABOVE,
+    DEFAULT_LOOKUP_THRESHOLD,
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_MATCH,
+    DEFAULT_MIN_MATCH,
+    check_lookup_settings,
+)
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark")
 # proposers that need no drafter checkpoint: "lookup" copies from the request's own text
@@ -31,10 +39,10 @@ class DraftOptions:
     # drafts copied from the request's own text and grafted onto the drafter's (0: off); see
     # specrt.runtime.proposers.lookup. Also the chain length of the drafter-free "lookup" kind.
     lookup: int = 0
-    lookup_threshold: float = 0.15
-    lookup_min_match: int = 1
-    lookup_max_match: int = 8
-    lookup_alone_above: float = 0.8  # a copy this sure of its first token is verified without the drafter
+    lookup_threshold: float = DEFAULT_LOOKUP_THRESHOLD
+    lookup_min_match: int = DEFAULT_MIN_MATCH
+    lookup_max_match: int = DEFAULT_MAX_MATCH
+    lookup_alone_above: float = DEFAULT_ALONE_ABOVE  # a copy this sure of its first token skips the drafter
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -54,14 +62,10 @@ class DraftOptions:
             )
         if self.lookup < 0:
             raise SpecrtError(f"--lookup must be >= 0, got {self.lookup}", "pass 0 (off) or the copied drafts per step")
-        from specrt.runtime.proposers.lookup import check_lookup_settings
-
         check_lookup_settings(max(self.lookup, 1), self.lookup_min_match, self.lookup_max_match,
                               self.lookup_threshold)
 
     def lookup_settings(self) -> dict:
-        from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
-
         return {"max_tokens": self.lookup or DEFAULT_LOOKUP_TOKENS, "min_match": self.lookup_min_match,
                 "max_match": self.lookup_max_match, "threshold": self.lookup_threshold}
 
@@ -106,8 +110,9 @@ def load_proposer(
     return proposer_for(kind, drafter, options)
 
 
-def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
-    """The proposer of `kind` around a ready drafter (a torch module or its ORT twin)."""
+def proposer_for(kind: str, drafter, options: DraftOptions | None = None, chain_only: bool = False):
+    """The proposer of `kind` around a ready drafter (a torch module or its ORT twin), with the
+    lookup copies grafted on when options.lookup > 0 (chain_only: see `with_lookup`)."""
     from specrt.runtime.proposers.block import BlockProposer
     from specrt.runtime.proposers.eagle3 import Eagle3Proposer
 
@@ -121,7 +126,7 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None):
     else:
         proposer = BlockProposer(drafter, threshold=options.confidence_threshold, max_drafts=options.max_drafts,
                                  tree_top_k=options.block_tree_top_k, tree_tokens=options.tree_tokens)
-    return with_lookup(proposer, options)
+    return with_lookup(proposer, options, chain_only)
 
 
 def lookup_proposer(options: DraftOptions):

@@ -190,14 +190,14 @@ class NgramLookup:
             index.extend(new + [int(nxt)])
             self.lengths[b] += len(toks)
 
-    def chain(self, row: int, start: float = 1.0) -> LookupChain:
-        """Row's copy, cut where its estimated survival (times `start`) falls below the threshold.
+    def chain(self, row: int) -> LookupChain:
+        """Row's copy, cut where its estimated survival falls below the threshold.
 
         The cut depends only on committed tokens and past records, never on this step's target
         output, so verification stays lossless."""
         tokens, match = self.index[row].continuation(self.max_tokens, self.min_match)
         self.drafted[row] = LookupChain(tokens, match, [])
-        survival = self.record.survival(match, len(tokens), start) if match else []
+        survival = self.record.survival(match, len(tokens)) if match else []
         keep = 0
         while keep < len(tokens) and survival[keep] >= self.threshold:
             keep += 1
@@ -319,8 +319,8 @@ class WithLookup:
             # a block drafter writes scratch K/V over the context of every row it is not asked about
             # (`BlockProposer.propose`), and drafts all rows in one forward anyway: ask for all of them
             ask = list(rows)
-        inner = dict(zip(ask, self.inner.propose(ask, [a for b, a in zip(rows, anchors) if b in set(ask)],
-                                                 sampling, generator))) if ask else {}
+        anchor_of = dict(zip(rows, anchors))
+        inner = dict(zip(ask, self.inner.propose(ask, [anchor_of[b] for b in ask], sampling, generator))) if ask else {}
         out = []
         for b in rows:
             c = chains[b]
