@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from specrt.export.errors import SpecrtError
+from specrt.runtime.host_threads import ORT_HOST_THREADS, torch_threads
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RequestStats
 
@@ -56,6 +57,8 @@ class Pipeline:
         self.config = model.config
         self.source: str | None = None  # the target checkpoint the weights came from (GGUF / HF folder)
         self.folder: Path | None = None  # the engine folder (ort backend)
+        # torch threads during generation: one on ORT, where torch only does host work (host_threads.py)
+        self.host_threads: int | None = ORT_HOST_THREADS if backend == "ort" else None
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -148,10 +151,11 @@ class Pipeline:
         if capacity and engine.capacity != capacity:
             self._engine = engine = self._engine_factory(capacity, len(prompts), _spare_slots(self.proposer))
         eos = self.config.eos_token_ids
-        if speculative and self.proposer is not None:
-            return generate_speculative(engine, self.proposer, prompts, max_new_tokens, sampling, eos, on_tokens)
-        engine.set_taps(())
-        return generate_autoregressive(engine, prompts, max_new_tokens, sampling, eos, on_tokens)
+        with torch_threads(self.host_threads):
+            if speculative and self.proposer is not None:
+                return generate_speculative(engine, self.proposer, prompts, max_new_tokens, sampling, eos, on_tokens)
+            engine.set_taps(())
+            return generate_autoregressive(engine, prompts, max_new_tokens, sampling, eos, on_tokens)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, system: str | None = None, chat: bool = True,

@@ -224,6 +224,32 @@ def test_copies_alone_run_on_a_target_only_folder(folders):
     assert pipe.generate_ids(PROMPTS, 24).tokens == plain.tokens
 
 
+def test_ort_pipelines_run_torch_at_one_thread_and_restore_it(folders, monkeypatch):
+    """Between ORT calls torch only does host work; its extra threads would spin on ORT's cores
+    (runtime/host_threads.py). The torch backend keeps the caller's threads."""
+    import specrt.runtime.speculative as speculative
+
+    seen = []
+    real = speculative._accept
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "_accept", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Pipeline.from_engines(folders["engines"]["eagle3"]).generate_ids(PROMPTS[:1], 8)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2  # restored for the caller
+        seen.clear()
+        torch_pipeline(folders, "eagle3").generate_ids(PROMPTS[:1], 8)
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path, monkeypatch, capsys):
     """`specrt bench --engines a,b,c` on the tiny engines: tables, plots, lossless counts, peer notes."""
     import json

@@ -20,7 +20,11 @@ def load_pipeline(args: argparse.Namespace):
                  block_tree_top_k=args.block_tree_top_k)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return build_pipeline(args, explicit_draft_options(args))
+    pipe = build_pipeline(args, explicit_draft_options(args))
+    if pipe.host_threads is not None:
+        # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)
+        torch.set_num_threads(pipe.host_threads)
+    return pipe
 
 
 def make_engine(pipe, slots: int, capacity: int):
