@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--quant-block", type=int, default=32, help="int8/int4: weights per scale block along K")
     q.add_argument("--quant-asymmetric", action="store_true", help="int8/int4: zero points per block (default symmetric)")
     q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
+    q.add_argument("--drafter-weights", default="same", choices=("same", "fp32", "int8", "int4"),
+                   help="the drafter's graphs: same as --weights, or their own (e.g. an fp32 target with an int4 "
+                        "drafter: drafting gets cheaper, verification stays fp32, so output is unchanged)")
     q.add_argument("--quant-accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
                    help="MatMulNBits compute: 4 = int8 activations (fastest on CPU), 0 = float activations")
     parser.add_argument("--no-ort-fused", action="store_true",
@@ -187,6 +190,7 @@ def export_engine(
     drafter_model=None,
     command: list[str] | None = None,
     quant=None,
+    drafter_quant="same",
     ort_fused: bool = True,
     lookup: dict | None = None,
 ) -> Path:
@@ -267,11 +271,13 @@ def export_engine(
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{size / 2**20:.1f} MB"
                     exported.append(graph)
-        if quant is not None:
+        if drafter_quant == "same":
+            drafter_quant = quant
+        if quant is not None or drafter_quant is not None:
             from specrt.export.quantize import quantize_graph
 
             gguf_blocks = None
-            if quant.weights == "gguf":
+            if quant is not None and quant.weights == "gguf":
                 from specrt.export.gguf_quant import read_gguf_blocks
 
                 source = Path(str(getattr(loaded_target, "source", "")))
@@ -283,9 +289,14 @@ def export_engine(
             for graph in exported:
                 if graph.name.endswith("_fc") or graph.name.endswith("_ingest"):
                     continue  # a few MB each, run once per committed token: not worth the rounding
-                with stages.stage(f"quantize {graph.name} to {quant.weights}") as info:
-                    q = quantize_graph(graph.path, quant, external_data=graph.data_path is not None,
-                                       gguf_blocks=gguf_blocks)
+                # the drafter's graphs may have their own scheme: drafts only need to be likely, the
+                # target's verification decides the output
+                scheme = quant if graph.name.startswith("target") else drafter_quant
+                if scheme is None:
+                    continue
+                with stages.stage(f"quantize {graph.name} to {scheme.weights}") as info:
+                    q = quantize_graph(graph.path, scheme, external_data=graph.data_path is not None,
+                                       gguf_blocks=gguf_blocks if scheme is quant else None)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> MatMulNBits, {size / 2**20:.1f} MB"
         with stages.stage("tokenizer, manifest, checksums"):
@@ -316,6 +327,8 @@ def export_engine(
                 "dtype": dtype_name, "opset": opset, "external_data": external_data,
                 "weights": quant.to_dict() if quant is not None else {"bits": None, "scheme": dtype_name},
                 "kv_capacity": int(capacity or cfg.max_position_embeddings),
+                **({"drafter_weights": drafter_quant.to_dict() if drafter_quant is not None
+                    else {"bits": None, "scheme": dtype_name}} if drafter is not None else {}),
                 "command": command,
                 "seconds": round(time.perf_counter() - stages.start, 1),
             }
@@ -352,6 +365,24 @@ def quant_options(args: argparse.Namespace):
                         lm_head=not args.no_quant_lm_head)
 
 
+def drafter_quant_options(args: argparse.Namespace, quant):
+    """The drafter graphs' QuantOptions: "same" as the target's, None for float, or their own int8/int4."""
+    if args.drafter_weights == "same":
+        return quant
+    if args.drafter_weights == "fp32":
+        if args.dtype not in ("fp32", "float32"):
+            raise SpecrtError(f"--drafter-weights fp32 with --dtype {args.dtype}",
+                              "drop --drafter-weights (the drafter follows --dtype) or export with --dtype fp32")
+        return None
+    if args.dtype not in ("fp32", "float32"):
+        raise SpecrtError(f"--drafter-weights {args.drafter_weights} quantizes fp32 graphs, not --dtype {args.dtype}",
+                          "drop --dtype (int8/int4 weights keep fp32 activations)")
+    from specrt.export.quantize import QuantOptions
+
+    return QuantOptions(args.drafter_weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
+                        lm_head=not args.no_quant_lm_head)
+
+
 def lookup_defaults(args: argparse.Namespace) -> dict | None:
     """The manifest's `drafter.lookup` record from --lookup / --lookup-threshold (None: off)."""
     from specrt.runtime.proposers.factory import DraftOptions
@@ -363,13 +394,17 @@ def lookup_defaults(args: argparse.Namespace) -> dict | None:
 
 def run(args: argparse.Namespace) -> int:
     quant = quant_options(args)
+    drafter_quant = drafter_quant_options(args, quant)
+    if args.drafter == "none" and args.drafter_weights != "same":
+        raise SpecrtError(f"--drafter-weights {args.drafter_weights} without a drafter",
+                          "pass --drafter KIND, or drop --drafter-weights")
     lookup_defaults(args)  # bad values fail before the long export
     export_engine(
         args.drafter, target=args.target, drafter_ckpt=args.drafter_ckpt, out=args.out, dtype=args.dtype,
         opset=args.opset, capacity=args.capacity, external_data=args.external_data,
         tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
         threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
-        ort_fused=not args.no_ort_fused, lookup=lookup_defaults(args),
+        drafter_quant=drafter_quant, ort_fused=not args.no_ort_fused, lookup=lookup_defaults(args),
     )
     return 0
 

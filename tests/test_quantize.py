@@ -128,6 +128,28 @@ def test_first_divergence():
     assert first_divergence([1, 2], [1, 2], 8) == 8
 
 
+def test_an_int4_drafter_beside_an_fp32_target_changes_drafts_not_output(engines, tmp_path):
+    """--drafter-weights int4: the drafter's graphs get MatMulNBits, the target stays fp32, and the
+    output still equals the fp32 target's plain decoding (verification decides it)."""
+    root = engines["fp32"].parent
+    out = tmp_path / "engine-fp32-drafter-int4"
+    assert export_main(["--drafter", "dspark", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt"),
+                        "--out", str(out), "--drafter-weights", "int4", "--quant-block", "16", "--quiet"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["export"]["weights"]["bits"] is None and manifest["export"]["drafter_weights"]["bits"] == 4
+    for graph in manifest["graphs"]:
+        ops = {n.op_type for n in onnx.load(str(out / manifest["graphs"][graph]["file"]), load_external_data=False).graph.node}
+        # _fc / _ingest graphs stay float whatever the scheme (small, run once per committed token)
+        drafts = not graph.startswith("target") and not graph.endswith(("_fc", "_ingest"))
+        assert ("MatMulNBits" in ops) == drafts, graph
+    plain = Pipeline.from_engines(engines["fp32"]).generate_ids(PROMPTS, 20, speculative=False)
+    assert Pipeline.from_engines(out).generate_ids(PROMPTS, 20).tokens == plain.tokens
+    with pytest.raises(SystemExit):
+        export_main(["--drafter", "dspark", "--drafter-weights", "int2", "--out", str(tmp_path / "x"), "--quiet"])
+    assert export_main(["--drafter", "none", "--target", str(root / "tiny"), "--drafter-weights", "int4",
+                        "--out", str(tmp_path / "y"), "--quiet"]) != 0  # no drafter: refused with the fix
+
+
 def test_bad_quantization_options_are_refused():
     with pytest.raises(SpecrtError, match="power of two"):
         QuantOptions("int4", block_size=24)

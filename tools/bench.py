@@ -135,9 +135,10 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
         del drafted[label]
         inner = getattr(pipe.proposer, "inner", pipe.proposer)  # the drafter alone, whatever the folder says
         suffix = label[label.index("@"):] if "@" in label else ""
+        tag = label[len(pipe.proposer.name):len(label) - len(suffix)]  # " [drafter int4]" or ""
         chain_only = bool(getattr(pipe.model, "two_row_decode", False))
-        drafted[inner.name + suffix] = pipe.with_proposer(inner)
-        drafted[inner.name + "+lookup" + suffix] = pipe.with_proposer(with_lookup(inner, options, chain_only=chain_only))
+        drafted[inner.name + tag + suffix] = pipe.with_proposer(inner)
+        drafted[inner.name + "+lookup" + tag + suffix] = pipe.with_proposer(with_lookup(inner, options, chain_only=chain_only))
     for label, pipe in list(plains.items()):
         if "(" in label:  # target-only folders timed under their own name
             continue
@@ -184,7 +185,7 @@ def build_pipelines(args: argparse.Namespace):
                 label += f" ({Path(folder).name})"
             plains.setdefault(label, pipe.with_proposer(None))
             if pipe.proposer is not None:
-                label = pipe.proposer.name + suffix
+                label = pipe.proposer.name + drafter_weights_tag(data) + suffix
                 if label in drafted:
                     raise SpecrtError(f"two engine folders hold a {label} drafter", "pass one folder per drafter")
                 drafted[label] = pipe
@@ -195,6 +196,15 @@ def build_pipelines(args: argparse.Namespace):
     proposers = [load_proposer(kind, path, plain.model, options, shipped_for)
                  for kind, path in parse_drafters(args.drafters).items()]
     return {"plain": plain}, {p.name: plain.with_proposer(p) for p in proposers}, "torch"
+
+
+def drafter_weights_tag(manifest: dict) -> str:
+    """" [drafter int4]" when the drafter's graphs were quantized apart from the target (--drafter-weights)."""
+    export = manifest.get("export") or {}
+    own = export.get("drafter_weights")
+    if own is None or own.get("bits") == (export.get("weights") or {}).get("bits"):
+        return ""
+    return f" [drafter int{own['bits']}]" if own.get("bits") else " [drafter float]"
 
 
 def weights_suffix(manifest: dict) -> str:
