@@ -356,12 +356,17 @@ def quant_options(args: argparse.Namespace):
         if args.weights == "fp16" and args.dtype not in ("fp16", "float16"):
             args.dtype = "fp16"
         return None
+    return _rtn_options(args, args.weights, "--weights")
+
+
+def _rtn_options(args: argparse.Namespace, weights: str, flag: str):
+    """QuantOptions for `weights` (int8/int4/gguf) with the shared --quant-* flags; fp32 graphs only."""
     if args.dtype not in ("fp32", "float32"):
-        raise SpecrtError(f"--weights {args.weights} quantizes fp32 graphs, not --dtype {args.dtype}",
+        raise SpecrtError(f"{flag} {weights} quantizes fp32 graphs, not --dtype {args.dtype}",
                           "drop --dtype (int8/int4 weights keep fp32 activations)")
     from specrt.export.quantize import QuantOptions
 
-    return QuantOptions(args.weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
+    return QuantOptions(weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
                         lm_head=not args.no_quant_lm_head)
 
 
@@ -374,13 +379,7 @@ def drafter_quant_options(args: argparse.Namespace, quant):
             raise SpecrtError(f"--drafter-weights fp32 with --dtype {args.dtype}",
                               "drop --drafter-weights (the drafter follows --dtype) or export with --dtype fp32")
         return None
-    if args.dtype not in ("fp32", "float32"):
-        raise SpecrtError(f"--drafter-weights {args.drafter_weights} quantizes fp32 graphs, not --dtype {args.dtype}",
-                          "drop --dtype (int8/int4 weights keep fp32 activations)")
-    from specrt.export.quantize import QuantOptions
-
-    return QuantOptions(args.drafter_weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
-                        lm_head=not args.no_quant_lm_head)
+    return _rtn_options(args, args.drafter_weights, "--drafter-weights")
 
 
 def lookup_defaults(args: argparse.Namespace) -> dict | None:

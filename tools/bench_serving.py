@@ -170,7 +170,6 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
 def run(args: argparse.Namespace) -> int:
     import torch
     from specrt.export.errors import SpecrtError
-    from specrt.runtime.host_threads import ORT_HOST_THREADS
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
 
@@ -184,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     sampling = SamplingParams(args.temperature, seed=args.seed)
     plain, drafted, backend, folders = build(args)
-    if backend == "ort":
+    if plain.host_threads is not None:
         # the batcher does torch host work between ORT calls: one thread (runtime/host_threads.py)
-        torch.set_num_threads(ORT_HOST_THREADS)
+        torch.set_num_threads(plain.host_threads)
     if not drafted and modes != ["plain"]:
         raise SpecrtError("no drafter to compare with plain decoding",
                           "pass --engines folders with drafters, or --drafters KIND=PATH (torch)")

@@ -189,12 +189,11 @@ class OrtGraph:
         results: dict[str, torch.Tensor] = {}
         unbound = []
         for name in self.output_names:
-            buffer = bound.get(name) if bound else None
-            if buffer is not None and same.get(("out", name)) is buffer:
-                results[name] = buffer
+            given = bound.get(name) if bound else None  # caller's memory (the cache it updates in place)
+            if given is not None and same.get(("out", name)) is given:
+                results[name] = given
                 continue
-            if buffer is None:
-                buffer = self._output_buffer(name, dims)
+            buffer = given if given is not None else self._output_buffer(name, dims)
             if buffer is None:
                 binding.bind_output(name, self._device_type, self._device_id)
                 last.pop(("out", name), None)
@@ -207,8 +206,8 @@ class OrtGraph:
                 binding.bind_output(name, self._device_type, self._device_id, _NUMPY_DTYPES[buffer.dtype],
                                     list(buffer.shape), buffer.data_ptr())
                 last[("out", name)] = key
-            if bound and bound.get(name) is buffer:
-                same[("out", name)] = buffer
+            if given is not None:
+                same[("out", name)] = given
             else:
                 same.pop(("out", name), None)
         self.session.run_with_iobinding(binding)
