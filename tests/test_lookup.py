@@ -278,3 +278,49 @@ def test_depths_of_grafted_trees_match_their_verify_positions():
     p = Proposal(torch.tensor([5, 7]), torch.tensor([-1, -1]), None, False, 1, None)
     g = graft_tree(p, LookupChain([7, 2, 3], 2, [.9, .9, .9]))
     assert list(node_depths(g.parents)) == [1, 1, 2, 3] and g.survival is None
+
+
+def test_replayed_hit_counts_follow_the_live_record_and_round_trip(tmp_path):
+    from specrt.runtime.proposers.lookup import HitRecord
+    from specrt.runtime.proposers.lookup_prior import LookupPrior, replay_hits
+
+    # a response that loops "1 2 3": after the first period every copy is right
+    prior = replay_hits([([9, 1, 2, 3], [1, 2, 3, 1, 2, 3, 1, 2, 3, 7])], max_tokens=4)
+    assert prior.meta["steps"] >= 1 and prior.trials
+    long = max(prior.trials)
+    assert prior.rate(long, 1) > 0.5  # loops are right more often than not
+    # a seeded record starts at the prior's rate and moves toward what it sees
+    record = HitRecord(prior=prior)
+    assert record.rate(long, 1) == pytest.approx(prior.rate(long, 1))
+    for _ in range(200):
+        record.record(long, [5], [6])  # always wrong
+    assert record.rate(long, 1) < 0.1
+    path = prior.save(tmp_path / "lookup.json")
+    again = LookupPrior.load(path)
+    assert again.trials == prior.trials and again.hits == prior.hits
+    path.write_text('{"format": "specrt-lookup-prior/1", "trials": {"1": [3]}, "hits": {"1": [5]}}')
+    with pytest.raises(SpecrtError, match="more hits than trials"):
+        LookupPrior.load(path)
+
+
+def test_a_closed_draft_gate_still_verifies_copies_losslessly(target):
+    from specrt.runtime.serving.batcher import Batcher, Request
+    from specrt.runtime.serving.policy import DraftGate
+    from test_serving_batcher import ARRIVALS, MAX_NEW, SPS, drive
+    from test_serving_batcher import PROMPTS as SERVE_PROMPTS
+
+    class ShutGate(DraftGate):  # the drafter never pays: only the copies are verified
+        def should_draft(self) -> bool:
+            return False
+
+    prompts = SERVE_PROMPTS[:3] + LOOPY
+    alone = [plain(target, [p], n)[0] for p, n in zip(prompts, MAX_NEW)]
+    proposer = WithLookup(block(target, "dspark", threshold=0.2), max_tokens=5, threshold=0.0)
+    batcher = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", SPS)
+    batcher.gate = ShutGate()
+    requests = [Request(p, n) for p, n in zip(prompts, MAX_NEW)]
+    drive(batcher, requests, ARRIVALS)
+    assert [r.tokens for r in requests] == alone
+    c = batcher.counters
+    assert c.draft_steps == 0 and c.copy_steps == c.steps and c.accepted_drafts > 0
+    assert batcher.free_rows == 3 and not batcher.running

@@ -129,6 +129,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.factory import lookup_proposer, with_lookup
     from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+    from specrt.runtime.proposers.lookup_prior import load_prior_for
 
     options = dataclasses.replace(draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
     for label, pipe in list(drafted.items()):
@@ -138,7 +139,10 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
         tag = label[len(pipe.proposer.name):len(label) - len(suffix)]  # " [drafter int4]" or ""
         chain_only = bool(getattr(pipe.model, "two_row_decode", False))
         drafted[inner.name + tag + suffix] = pipe.with_proposer(inner)
-        drafted[inner.name + "+lookup" + tag + suffix] = pipe.with_proposer(with_lookup(inner, options, chain_only=chain_only))
+        # the folder's calibrated copy hit rates (lookup.json), as its own proposer would get them
+        folder_options = dataclasses.replace(options, lookup_prior=load_prior_for(pipe.folder))
+        drafted[inner.name + "+lookup" + tag + suffix] = pipe.with_proposer(
+            with_lookup(inner, folder_options, chain_only=chain_only))
     for label, pipe in list(plains.items()):
         if "(" in label:  # target-only folders timed under their own name
             continue

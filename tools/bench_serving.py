@@ -10,6 +10,10 @@ the engine's), with c KV rows. Modes per drafter:
   fixed      every draft verified as proposed (`--schedule fixed`)
   scheduled  DSpark's Algorithm 1 over the drafts' survivals and SPS(B), draft gate on
              (`--schedule confidence`); SPS from the engine folder's sps.json, else a quick profile.
+             A drafter with copies grafted on (X+lookup) still verifies copies while the gate
+             keeps its forward off ("copy-only steps").
+--lookup-alone adds the drafter-free lookup proposer (copies from the text; a target-only folder
+is enough); copy survivals come from the folder's lookup.json (`specrt calibrate`) when it has one.
 Measured per run: throughput (generated tokens / wall time of the run), per-request latency
 (submit -> last token) p50/p90, time to first token p50, tau (tokens per request-step). With
 --repeats > 1 every configuration runs that many times, interleaved, and the table shows the mean
@@ -55,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps", help="SPS table for the scheduled mode (default: each folder's sps.json / a quick profile)")
     p.add_argument("--out", type=Path, default=Path("docs/serving"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lookup-alone", action="store_true",
+                   help="also serve the drafter-free lookup proposer (copies from the text) on the first "
+                        "folder's target: it needs no drafter, so a target-only folder works")
+    p.add_argument("--lookup", type=int, default=None, help="copied drafts per step (default: the folder's / 16)")
 
 
 def parse_list(text: str, name: str) -> list[int]:
@@ -93,6 +101,10 @@ def build(args: argparse.Namespace):
         return Pipeline.from_checkpoint(args.target, device=args.device), {}, backend, {}
     if backend != "ort":
         plains, drafted, backend = build_pipelines(args)
+        if args.lookup_alone:
+            from specrt.runtime.proposers.factory import lookup_proposer
+
+            drafted["lookup"] = plains["plain"].with_proposer(lookup_proposer(lookup_options(args, None)))
         return plains["plain"], drafted, backend, {}
     from specrt.export.manifest import load_manifest
     from specrt.runtime.backends.ort_backend import manifest_draft_defaults
@@ -111,7 +123,26 @@ def build(args: argparse.Namespace):
                 raise SpecrtError(f"two engine folders hold a {pipe.proposer.name} drafter", "pass one folder per drafter")
             drafted[pipe.proposer.name], where[pipe.proposer.name] = pipe, folder
         plain = plain or pipe.with_proposer(None)
+    if args.lookup_alone:
+        drafted["lookup"] = Pipeline.from_engines(folders[0], args.device, args.threads, drafter="lookup",
+                                                  draft_options=lookup_options(args, folders[0]))
+        where["lookup"] = folders[0]
     return plain, drafted, "ort", where
+
+
+def lookup_options(args: argparse.Namespace, folder: str | None):
+    """DraftOptions of the drafter-free lookup proposer: the folder's defaults, --lookup N, its lookup.json."""
+    import dataclasses
+
+    from specrt.export.manifest import load_manifest
+    from specrt.runtime.backends.ort_backend import manifest_draft_defaults
+    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+    from specrt.runtime.proposers.lookup_prior import load_prior_for
+
+    base = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data) if folder else DraftOptions()
+    return dataclasses.replace(base, lookup=args.lookup or base.lookup or DEFAULT_LOOKUP_TOKENS,
+                               lookup_prior=load_prior_for(folder))
 
 
 def closed_loop(batcher, prompts: list[list[int]], concurrency: int, max_new: int, sampling, ignore_eos: bool):
@@ -164,6 +195,7 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
             "tau": c.emitted / c.row_steps if c.row_steps else 1.0,
             "latency_p50": percentile(latency, 0.5), "latency_p90": percentile(latency, 0.9),
             "ttft_p50": percentile(ttft, 0.5), "steps": c.steps, "draft_steps": c.draft_steps,
+            "copy_steps": c.copy_steps,
             "outputs": [r.tokens for r in requests]}
 
 
@@ -190,18 +222,23 @@ def run(args: argparse.Namespace) -> int:
         raise SpecrtError("no drafter to compare with plain decoding",
                           "pass --engines folders with drafters, or --drafters KIND=PATH (torch)")
     n_requests = max(args.requests or 0, 0)
-    tables = {}
-    for name, pipe in drafted.items():
-        if "scheduled" not in modes:
-            break
+    tables = {}  # (drafter, concurrency) -> SPS table of the engine that level runs on
+
+    def sps_table(name: str, pipe, c: int):
+        """The folder's sps.json (or --sps) when it was profiled with c slots, else a quick profile of
+        the very engine this level runs (c rows): a table from another slot count describes other
+        graphs (batch 1 runs the ORT-fused graph, batches the portable one) and misleads the scheduler."""
+        if (name, c) in tables:
+            return tables[(name, c)]
         table = load_sps_for(folders.get(name), args.sps)
-        if table is None:
-            print(f"{name}: no sps.json, profiling a quick SPS table", file=sys.stderr)
-            engine = pipe.engine_for(min(pipe.config.max_position_embeddings, 128 + (pipe.proposer.max_drafts + 1) + 1),
-                                     max(levels))
+        if table is None or (not args.sps and int(table.meta.get("slots", -1)) != c):
+            print(f"{name}: profiling a quick SPS table for {c} slot(s)", file=sys.stderr)
+            engine = pipe.engine_for(min(pipe.config.max_position_embeddings,
+                                         64 + (pipe.proposer.max_drafts + 1) + 1), c)
             engine.set_taps(pipe.proposer.tap_layers)
-            table = profile_sps(engine, max(levels) * (pipe.proposer.max_drafts + 1), context=64, repeats=2, warmup=1)
-        tables[name] = table
+            table = profile_sps(engine, c * (pipe.proposer.max_drafts + 1), context=64, repeats=3, warmup=1)
+        tables[(name, c)] = table
+        return table
 
     results: list[dict] = []
     for c in levels:
@@ -219,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         for rep in range(args.repeats):
             order = configs if rep % 2 == 0 else configs[::-1]  # interleaved: noise hits all alike
             for name, mode, pipe, proposer, schedule in order:
-                r = run_config(pipe, proposer, schedule, tables.get(name), c, prompts, args, sampling)
+                table = sps_table(name, pipe, c) if mode == "scheduled" else None
+                r = run_config(pipe, proposer, schedule, table, c, prompts, args, sampling)
                 runs[(name, mode)].append(r)
                 print(f"c={c:3d} {name:7s} {mode:9s} {r['tok_s']:8.1f} tok/s  tau {r['tau']:.2f}  "
                       f"p50 {r['latency_p50']:.2f}s", file=sys.stderr)
@@ -235,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
                             "latency_p50": statistics.mean(r["latency_p50"] for r in rs),
                             "latency_p90": statistics.mean(r["latency_p90"] for r in rs),
                             "ttft_p50": statistics.mean(r["ttft_p50"] for r in rs),
-                            "draft_steps": rs[0]["draft_steps"], "steps": rs[0]["steps"], "same_as_plain": same})
+                            "draft_steps": rs[0]["draft_steps"], "copy_steps": rs[0].get("copy_steps", 0),
+                            "steps": rs[0]["steps"], "same_as_plain": same})
     for row in results:
         base = next((r for r in results if r["mode"] == "plain" and r["concurrency"] == row["concurrency"]), None)
         row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
@@ -257,15 +296,15 @@ def render_markdown(report: dict) -> str:
                   f"{report['prompts']} prompts, {report['repeats']} run(s) per configuration "
                   "(tok/s: mean, spread min..max)."), "",
              ("| drafter | mode | concurrency | requests | tok/s | spread | vs plain | tau | latency p50 s | "
-              "latency p90 s | TTFT p50 s | draft steps | same as plain |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "latency p90 s | TTFT p50 s | draft steps | copy-only steps | same as plain |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "-" if r["same_as_plain"] is None else f"{100 * r['same_as_plain']:.0f}%"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['drafter']} | {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:.1f} | "
                      f"{r['tok_s_min']:.1f}..{r['tok_s_max']:.1f} | {speed} | {r['tau']:.2f} | "
                      f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.3f} | "
-                     f"{r['draft_steps']}/{r['steps']} | {same} |")
+                     f"{r['draft_steps']}/{r['steps']} | {r.get('copy_steps', 0)} | {same} |")
     return "\n".join(lines) + "\n"
 
 

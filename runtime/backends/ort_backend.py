@@ -56,6 +56,13 @@ class OrtEngines:
         from specrt.runtime.proposers.factory import lookup_proposer, proposer_for
 
         options = options or manifest_draft_defaults(self.manifest.data)
+        if options.lookup_prior is None:
+            import dataclasses
+
+            from specrt.runtime.proposers.lookup_prior import load_prior_for
+
+            # the folder's calibrated copy hit rates (`specrt calibrate`), when it has them
+            options = dataclasses.replace(options, lookup_prior=load_prior_for(self.folder))
         if lookup_only:
             return lookup_proposer(options)
         if self.drafter is None:

@@ -7,7 +7,7 @@ checkpoint the drafter shipped for the embedded default is used (`specrt.export.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrt.export.errors import SpecrtError
@@ -43,6 +43,8 @@ class DraftOptions:
     lookup_min_match: int = DEFAULT_MIN_MATCH
     lookup_max_match: int = DEFAULT_MAX_MATCH
     lookup_alone_above: float = DEFAULT_ALONE_ABOVE  # a copy this sure of its first token skips the drafter
+    # calibrated copy hit rates (specrt.runtime.proposers.lookup_prior; an engine folder's lookup.json)
+    lookup_prior: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -67,7 +69,7 @@ class DraftOptions:
 
     def lookup_settings(self) -> dict:
         return {"max_tokens": self.lookup or DEFAULT_LOOKUP_TOKENS, "min_match": self.lookup_min_match,
-                "max_match": self.lookup_max_match, "threshold": self.lookup_threshold}
+                "max_match": self.lookup_max_match, "threshold": self.lookup_threshold, "prior": self.lookup_prior}
 
     def lookup_manifest(self) -> dict:
         """The lookup defaults an engine folder records (`drafter.lookup` in manifest.json)."""

@@ -44,13 +44,16 @@ survival beats the drafter chain's, else the drafter's (`graft_chain`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from specrt.export.errors import SpecrtError
 from specrt.runtime.proposers.base import Proposal, _depth
 from specrt.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specrt.runtime.proposers.lookup_prior import LookupPrior
 
 DEFAULT_LOOKUP_TOKENS = 16
 DEFAULT_MIN_MATCH = 1
@@ -113,14 +116,18 @@ class HitRecord:
 
     trials: dict[int, list[int]] = field(default_factory=dict)
     hits: dict[int, list[int]] = field(default_factory=dict)
+    prior: "LookupPrior | None" = None  # calibrated rates (lookup_prior.py); None: Beta(1, 1)
 
     def rate(self, match: int, depth: int) -> float:
         """P(copy at depth d right | the d-1 before it right) after a match of length `match`;
-        a Beta(1, 1) prior until there is a record. depth counts from 1."""
+        depth counts from 1. Without a record: the calibrated prior's rate (weight w pseudo-trials),
+        or a Beta(1, 1) prior."""
         trials = self.trials.get(match, ())
-        if depth > len(trials):
-            return 0.5
-        return (self.hits[match][depth - 1] + 1) / (trials[depth - 1] + 2)
+        n, k = (trials[depth - 1], self.hits[match][depth - 1]) if depth <= len(trials) else (0, 0)
+        if self.prior is None:
+            return (k + 1) / (n + 2)
+        w = self.prior.weight
+        return (k + w * self.prior.rate(match, depth)) / (n + w)
 
     def survival(self, match: int, n: int, start: float = 1.0) -> list[float]:
         """P(copies 1..d all right) for d = 1..n, times `start` (the parent's survival)."""
@@ -155,17 +162,19 @@ class NgramLookup:
     """The lookup state of a batch: one index per row, the last chain drafted per row, the record."""
 
     def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
-                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD) -> None:
+                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
+                 prior: "LookupPrior | None" = None) -> None:
         check_lookup_settings(max_tokens, min_match, max_match, threshold)
         self.max_tokens, self.min_match, self.max_match = int(max_tokens), int(min_match), int(max_match)
         self.threshold = float(threshold)
+        self.prior = prior
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
         # a fresh record per generate call: what is drafted must not depend on earlier calls, or the
         # same seed would consume its random stream differently and give other text. (A serving
         # batcher resets once and frees rows one by one, so there the record spans requests.)
-        self.record = HitRecord()
+        self.record = HitRecord(prior=self.prior)
         self.index = [NgramIndex(self.max_match) for _ in range(batch_size)]
         self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
         self.drafted: list[LookupChain | None] = [None] * batch_size
@@ -209,10 +218,12 @@ class LookupProposer:
 
     name = "lookup"
     tap_layers: tuple[int, ...] = ()
+    free_drafts = True  # no drafter forward: the serving draft gate has nothing to save
 
     def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
-                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD) -> None:
-        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold)
+                 max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
+                 prior: "LookupPrior | None" = None) -> None:
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior)
         self.max_drafts = self.lookup.max_tokens
 
     @property
@@ -236,12 +247,7 @@ class LookupProposer:
         self.lookup.observe(rows, tokens, next_tokens)
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
-        out = []
-        for b in rows:
-            c = self.lookup.chain(b)
-            out.append(Proposal.chain(torch.tensor(c.tokens, dtype=torch.long), None,
-                                      torch.tensor(c.survival, dtype=torch.float32)))
-        return out
+        return [copy_proposal(self.lookup.chain(b)) for b in rows]
 
 
 class WithLookup:
@@ -249,11 +255,13 @@ class WithLookup:
 
     def __init__(self, inner, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
                  max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
-                 chain_only: bool = False, alone_above: float = DEFAULT_ALONE_ABOVE) -> None:
+                 chain_only: bool = False, alone_above: float = DEFAULT_ALONE_ABOVE,
+                 prior: "LookupPrior | None" = None) -> None:
         self.inner = inner
         self.alone_above = float(alone_above)
-        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold)
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior)
         self.chain_only = chain_only
+        self.last_copies: dict[int, Proposal] = {}
         self.name = f"{inner.name}+lookup"
         self.tap_layers = tuple(inner.tap_layers)
         # a chain-only graft replaces the inner chain, so it is never longer than the longer of the two
@@ -307,11 +315,26 @@ class WithLookup:
         return self.inner.context_length(row)
 
     def observe(self, rows, tokens, taps, next_tokens) -> None:
+        self.observe_drafter(rows, tokens, taps, next_tokens)
+        self.observe_copies(rows, tokens, next_tokens)
+
+    # The serving batcher feeds the two halves apart: the lookup every step (its index and record
+    # must see each committed token before the next copy), the drafter only before it drafts.
+    def observe_drafter(self, rows, tokens, taps, next_tokens) -> None:
         self.inner.observe(rows, tokens, taps, next_tokens)
+
+    def observe_copies(self, rows, tokens, next_tokens) -> None:
         self.lookup.observe(rows, tokens, next_tokens)
+
+    def propose_copies(self, rows) -> list[Proposal]:
+        """The copies alone, no drafter forward (serving, while its draft gate is closed)."""
+        return [copy_proposal(self.lookup.chain(b)) for b in rows]
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         chains = {b: self.lookup.chain(b) for b in rows}
+        # this step's copies alone, per row: the serving gate compares the drafter against them
+        # (one dict shared with prefix views, so every sampling group's call lands in it)
+        self.last_copies.update({b: copy_proposal(c) for b, c in chains.items()})
         # a confident copy (inside a loop, say) is verified alone: the drafter's forward is skipped.
         # The choice reads only the history, never this step's target output: still lossless.
         ask = [b for b in rows if not chains[b].survival or chains[b].survival[0] < self.alone_above]
@@ -325,13 +348,18 @@ class WithLookup:
         for b in rows:
             c = chains[b]
             if b not in inner:
-                out.append(Proposal.chain(torch.tensor(c.tokens, dtype=torch.long), None,
-                                          torch.tensor(c.survival, dtype=torch.float32)))
+                out.append(self.last_copies[b])
             elif self.chain_only:
                 out.append(graft_chain(inner[b], c))
             else:
                 out.append(graft_tree(inner[b], c))
         return out
+
+
+def copy_proposal(chain: LookupChain) -> Proposal:
+    """A copy as a chain of point-mass drafts with its survival estimates."""
+    return Proposal.chain(torch.tensor(chain.tokens, dtype=torch.long), None,
+                          torch.tensor(chain.survival, dtype=torch.float32))
 
 
 def graft_tree(p: Proposal, chain: LookupChain) -> Proposal:

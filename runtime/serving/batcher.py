@@ -16,6 +16,9 @@ A step (`step()`):
             0..hi-1 (hi = highest busy row + 1): draft (grouped by sampling settings), choose the
             verify lengths (`policy`: fixed or Algorithm 1), verify, commit, emit, observe.
 Plain decoding is the same step with empty proposals (no proposer, or the draft gate closed).
+With copies grafted on (`WithLookup`), a closed gate shuts the drafter's forward only: the copies
+(no forward to pay) are still proposed and scheduled ("copy-only steps"); the lookup is fed every
+step, the drafter lazily before its next draft.
 
 Lossless under batching: a row sees only its own committed slots and its own new tokens (the
 engine's mask), padding is never committed, and verification is per row with the request's own
@@ -113,6 +116,7 @@ class BatcherCounters:
     row_steps: int = 0  # sum over decode steps of running requests (tau's denominator)
     finished: int = 0
     generated: int = 0  # every token handed to a request (prefill's first tokens included)
+    copy_steps: int = 0  # steps that verified copies from the text with the drafter gated off
     busy_seconds: float = 0.0
     finish_reasons: dict = field(default_factory=dict)  # reason -> count
     peak_running: int = 0  # most requests decoded together so far
@@ -149,7 +153,11 @@ class Batcher:
         if proposer is not None:
             proposer.reset(self.slots, self.capacity)
         self.views = supports_views(engine)
-        self.gate = DraftGate() if (draft_gate and schedule == "confidence" and proposer is not None) else None
+        # copies from the text (`proposers.lookup`) cost no forward: a WithLookup proposer is fed
+        # apart (copies every step, the drafter lazily) so the gate can shut the drafter alone
+        self.split = hasattr(proposer, "observe_copies")
+        gated = proposer is not None and not getattr(proposer, "free_drafts", False)
+        self.gate = DraftGate() if (draft_gate and schedule == "confidence" and gated) else None
         self.draft_generator = torch.Generator().manual_seed(int(draft_seed))
         self.free: list[int] = list(range(self.slots))
         self.running: dict[int, Request] = {}
@@ -356,15 +364,19 @@ class Batcher:
     @contextlib.contextmanager
     def _full_drafts(self, proposer):
         """Confidence mode: the scheduler, not DSpark's fixed threshold, decides how much to verify."""
-        if self.schedule != "confidence" or not hasattr(proposer, "threshold"):
+        if self.schedule != "confidence":
             yield
             return
-        saved = proposer.threshold
-        proposer.threshold = 0.0
+        # the drafter's confidence cut and the lookup's survival cut both give way to Algorithm 1
+        holders = [h for h in (proposer, getattr(proposer, "lookup", None)) if h is not None and hasattr(h, "threshold")]
+        saved = [h.threshold for h in holders]
+        for h in holders:
+            h.threshold = 0.0
         try:
             yield
         finally:
-            proposer.threshold = saved
+            for h, value in zip(holders, saved):
+                h.threshold = value
 
     def _flush(self, pview) -> None:
         """Hand the proposer what the target committed since its last observe, all rows in one call.
@@ -381,7 +393,7 @@ class Batcher:
         taps = [torch.cat(self.pending[r][1]) if self.pending[r][1] else None for r in rows]
         nexts = [self.pending[r][2][0] for r in rows]
         self.pending.clear()
-        pview.observe(rows, tokens, taps, nexts)
+        (pview.observe_drafter if self.split else pview.observe)(rows, tokens, taps, nexts)
 
     def _propose(self, pview, active: list[int]) -> dict[int, Proposal]:
         groups: dict[object, list[int]] = {}
@@ -406,6 +418,23 @@ class Batcher:
     def _draft_sampling(req: Request) -> SamplingParams:
         return GREEDY_DRAFTS if req.noise else req.sampling
 
+    def _room_cut(self, p: Proposal, row: int) -> Proposal:
+        """p cut to the row's free cache slots (every verified token needs one)."""
+        return p.truncated(max(self.capacity - 1 - int(self.engine.lengths[row]), 0))
+
+    def _judge_drafter(self, pview, active: list[int], hi: int, plan, draft_seconds: float) -> None:
+        """Tell the gate whether this drafting step paid: the scheduler's predicted tokens/s with the
+        drafting time included, against the better of plain decoding and the copies alone (what the
+        step would have verified with the drafter shut; `policy.DraftGate`)."""
+        predicted = plan.tau / (draft_seconds + 1.0 / float(self.sps(plan.tokens)))
+        without = plan.baseline
+        copies = getattr(pview, "last_copies", None)
+        if copies is not None and all(r in copies for r in active):
+            _, copies_plan = apply_schedule([self._room_cut(copies[r], r) for r in active], self.sps, hi, self.cost)
+            without = max(without, copies_plan.throughput)
+        plain_step = len(active) / plan.baseline  # seconds of a plain step of these rows
+        self.gate.record(predicted, without, draft_seconds / plain_step)
+
     def _decode(self, active: list[int]) -> None:
         engine, c = self.engine, self.counters
         reqs = [self.running[r] for r in active]
@@ -414,29 +443,32 @@ class Batcher:
         pview = proposer_prefix_view(self.proposer, hi)
         t0 = time.perf_counter()
         drafting = self.proposer is not None and (self.gate is None or self.gate.should_draft())
+        copying = not drafting and self.split  # the gate shut the drafter; the copies cost nothing to make
         proposals: list[Proposal | None] = [None] * hi
         for row in active:
             proposals[row] = EMPTY
         draft_seconds = 0.0
-        if drafting:
-            self._flush(pview)
-            drafted = self._propose(pview, active)
+        if drafting or copying:
+            if drafting:
+                self._flush(pview)
+                drafted = self._propose(pview, active)
+            else:
+                with self._full_drafts(pview):
+                    drafted = dict(zip(active, pview.propose_copies(active)))
             draft_seconds = time.perf_counter() - t0
-            cut = []
-            for row in active:
-                room = self.capacity - 1 - int(engine.lengths[row])  # every verified token needs a slot
-                cut.append(drafted[row].truncated(max(room, 0)))
-                c.proposed_drafts += len(cut[-1])
+            cut = [self._room_cut(drafted[row], row) for row in active]
+            c.proposed_drafts += sum(len(p) for p in cut)
             if self.schedule == "confidence":
                 cut, plan = apply_schedule(cut, self.sps, hi, self.cost)
                 self.last_schedule = plan
-                if self.gate is not None:
-                    predicted = plan.tau / (draft_seconds + 1.0 / float(self.sps(plan.tokens)))
-                    plain_step = len(active) / plan.baseline  # seconds of a plain step of these rows
-                    self.gate.record(predicted, plan.baseline, draft_seconds / plain_step)
+                if self.gate is not None and drafting:
+                    self._judge_drafter(pview, active, hi, plan, draft_seconds)
             for row, p in zip(active, cut):
                 proposals[row] = p if len(p) else EMPTY
-            c.draft_steps += 1
+            if drafting:
+                c.draft_steps += 1
+            else:
+                c.copy_steps += 1
         anchors = [self.running[r].anchor if r in self.running else 0 for r in range(hi)]
         t1 = time.perf_counter()
         ids, positions, mask = _verify_batch(proposals, anchors, view.lengths)
@@ -445,6 +477,7 @@ class Batcher:
         c.steps += 1
         c.step_tokens += int(ids.shape[0] * ids.shape[1])
         c.row_steps += len(active)
+        copied: tuple[list[int], list[list[int]], list[int]] = ([], [], [])  # rows, tokens, next: for the lookup
         for row in active:
             req, p = self.running[row], proposals[row]
             if req.noise:  # row 0 predicts the token after the anchor: generated index len(tokens)
@@ -462,6 +495,10 @@ class Batcher:
             previous = req.anchor
             req.anchor = bonus
             self._emit(req, accepted + [bonus])
+            if not req.done and self.split:
+                copied[0].append(row)
+                copied[1].append([previous] + accepted)
+                copied[2].append(bonus)
             if not req.done and self.proposer is not None:
                 pending = self.pending.setdefault(row, ([], [], [None]))
                 pending[0].extend([previous] + accepted)
@@ -470,6 +507,8 @@ class Batcher:
                     pending[1].append(taps[row, keep[0]:keep[-1] + 1] if contiguous else taps[row, keep])
                 pending[2][0] = bonus
         t3 = time.perf_counter()
+        if copied[0]:
+            pview.observe_copies(*copied)
         if self.gate is None:  # drafting every step: ingest now (the gate's lazy path waits for a draft)
             self._flush(pview)
         t4 = time.perf_counter()
