@@ -107,11 +107,10 @@ def calibrate_lookup(pipe, args: argparse.Namespace, out: Path) -> None:
 
 
 def lookup_settings(pipe) -> dict:
-    lookup = getattr(pipe.proposer, "lookup", None)
-    if lookup is None:
-        from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_MATCH, DEFAULT_MIN_MATCH
+    """The pipeline's lookup settings (the defaults when it drafts without copies)."""
+    from specrt.runtime.proposers.lookup import NgramLookup
 
-        return {"max_tokens": DEFAULT_LOOKUP_TOKENS, "min_match": DEFAULT_MIN_MATCH, "max_match": DEFAULT_MAX_MATCH}
+    lookup = getattr(pipe.proposer, "lookup", None) or NgramLookup()
     return {"max_tokens": lookup.max_tokens, "min_match": lookup.min_match, "max_match": lookup.max_match}
 
 
@@ -121,6 +120,7 @@ def generate_responses(pipe, count: int, max_new_tokens: int = 256):
 
     from specrt.export.errors import SpecrtError
     from specrt.tools.datasets import sharegpt_first_turns
+    from tqdm import tqdm
 
     try:
         turns = sharegpt_first_turns()
@@ -129,8 +129,6 @@ def generate_responses(pipe, count: int, max_new_tokens: int = 256):
         return None
     random.Random(0).shuffle(turns)
     prompts = [ids for ids in (pipe.tokenizer.encode_chat(text) for _, text in turns) if len(ids) <= 256][:count]
-    from tqdm import tqdm
-
     pairs = []
     for prompt in tqdm(prompts, desc="lookup: plain greedy responses", unit="prompt", file=sys.stderr):
         result = pipe.generate_ids([prompt], max_new_tokens, speculative=False)

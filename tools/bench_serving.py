@@ -131,18 +131,17 @@ def build(args: argparse.Namespace):
 
 
 def lookup_options(args: argparse.Namespace, folder: str | None):
-    """DraftOptions of the drafter-free lookup proposer: the folder's defaults, --lookup N, its lookup.json."""
+    """DraftOptions of the drafter-free lookup proposer: the folder's defaults and --lookup N (its
+    lookup.json is read by the folder's own proposer builder, `OrtEngines.proposer`)."""
     import dataclasses
 
     from specrt.export.manifest import load_manifest
     from specrt.runtime.backends.ort_backend import manifest_draft_defaults
     from specrt.runtime.proposers.factory import DraftOptions
     from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
-    from specrt.runtime.proposers.lookup_prior import load_prior_for
 
     base = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data) if folder else DraftOptions()
-    return dataclasses.replace(base, lookup=args.lookup or base.lookup or DEFAULT_LOOKUP_TOKENS,
-                               lookup_prior=load_prior_for(folder))
+    return dataclasses.replace(base, lookup=args.lookup or base.lookup or DEFAULT_LOOKUP_TOKENS)
 
 
 def closed_loop(batcher, prompts: list[list[int]], concurrency: int, max_new: int, sampling, ignore_eos: bool):

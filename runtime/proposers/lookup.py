@@ -261,7 +261,7 @@ class WithLookup:
         self.alone_above = float(alone_above)
         self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior)
         self.chain_only = chain_only
-        self.last_copies: dict[int, Proposal] = {}
+        self.last_chains: dict[int, LookupChain] = {}
         self.name = f"{inner.name}+lookup"
         self.tap_layers = tuple(inner.tap_layers)
         # a chain-only graft replaces the inner chain, so it is never longer than the longer of the two
@@ -332,9 +332,9 @@ class WithLookup:
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         chains = {b: self.lookup.chain(b) for b in rows}
-        # this step's copies alone, per row: the serving gate compares the drafter against them
+        # this step's copies, per row: the serving gate compares the drafter against them alone
         # (one dict shared with prefix views, so every sampling group's call lands in it)
-        self.last_copies.update({b: copy_proposal(c) for b, c in chains.items()})
+        self.last_chains.update(chains)
         # a confident copy (inside a loop, say) is verified alone: the drafter's forward is skipped.
         # The choice reads only the history, never this step's target output: still lossless.
         ask = [b for b in rows if not chains[b].survival or chains[b].survival[0] < self.alone_above]
@@ -348,7 +348,7 @@ class WithLookup:
         for b in rows:
             c = chains[b]
             if b not in inner:
-                out.append(self.last_copies[b])
+                out.append(copy_proposal(c))
             elif self.chain_only:
                 out.append(graft_chain(inner[b], c))
             else:

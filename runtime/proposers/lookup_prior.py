@@ -128,9 +128,10 @@ def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_to
 
 def shipped_data_for(target_name: str) -> list[Path]:
     """The data sets in specrt's tools/data whose responses this target generated greedily."""
-    root = Path(__file__).resolve().parents[2] / "tools" / "data"
+    from specrt.tools.build_data import DATA_ROOT
+
     found = []
-    for manifest in sorted(root.glob("*/manifest.json")):
+    for manifest in sorted(DATA_ROOT.glob("*/manifest.json")):
         try:
             data = json.loads(manifest.read_text())
         except (OSError, ValueError):

@@ -49,6 +49,7 @@ from specrt.export.errors import SpecrtError
 from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.proposers.lookup import copy_proposal
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, is_seeded, seeded_token
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
@@ -428,9 +429,10 @@ class Batcher:
         step would have verified with the drafter shut; `policy.DraftGate`)."""
         predicted = plan.tau / (draft_seconds + 1.0 / float(self.sps(plan.tokens)))
         without = plan.baseline
-        copies = getattr(pview, "last_copies", None)
-        if copies is not None and all(r in copies for r in active):
-            _, copies_plan = apply_schedule([self._room_cut(copies[r], r) for r in active], self.sps, hi, self.cost)
+        chains = getattr(pview, "last_chains", None)
+        if chains is not None and all(r in chains for r in active):
+            copies = [self._room_cut(copy_proposal(chains[r]), r) for r in active]
+            _, copies_plan = apply_schedule(copies, self.sps, hi, self.cost)
             without = max(without, copies_plan.throughput)
         plain_step = len(active) / plan.baseline  # seconds of a plain step of these rows
         self.gate.record(predicted, without, draft_seconds / plain_step)
