@@ -8,10 +8,10 @@ matmul and several ms of per-kernel overhead (docs/numbers.md). This graph expre
 ~10 kernels, the way onnxruntime-genai's builder does:
 
     SkipSimplifiedLayerNormalization (residual add + RMSNorm)
-    MatMul q|k|v, Split        (one matmul on the concatenated weights; quantized to MatMulNBits
+    MatMul q|k|v               (one matmul on the concatenated weights; quantized to MatMulNBits
                                 like any other MatMul by --weights)
-    GroupQueryAttention        (RoPE at `position_ids`, tree mask as `attention_bias`, K/V written
-                                in place into the runtime's cache buffer)
+    GroupQueryAttention        (takes q|k|v packed, no Split; RoPE at `position_ids`, tree mask as
+                                `attention_bias`, K/V written in place into the runtime's cache buffer)
     MatMul o, SkipSimplifiedLayerNormalization, MatMul gate|up, Split, Sigmoid-Mul-Mul, MatMul down
 
 Contract (graph `target_ort`; dims batch, seq, total, rows, capacity):
@@ -52,6 +52,10 @@ MS_DOMAIN = "com.microsoft"
 _ELEM = {torch.float32: 1, torch.float16: 10}
 
 
+# the Reshapes around the LM head's 2-D Gemm: once the quantizer turns the head into a MatMul (which
+# takes [batch, rows, hidden] as is) they are pure cost (~90 us an int4 decode step: the last one copies
+# the logits into the bound output), so `fold_head_reshapes` removes the nodes carrying these marks
+HEAD_FLATTEN, HEAD_UNFLATTEN = "specrt.head_flatten", "specrt.head_unflatten"
 MIN_ORT = (1, 22)  # GroupQueryAttention with position_ids and attention_bias on the CPU provider
 
 
@@ -106,6 +110,11 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return [o for o in outputs if o]  # "" marks an optional output left out
 
+    def mark(self, key: str) -> None:
+        """Tag the last node for a later pass (`specrt.export.quantize.fold_head_reshapes`)."""
+        entry = self.nodes[-1].metadata_props.add()
+        entry.key, entry.value = key, "1"
+
     def linear(self, x: str, module: torch.nn.Linear, name: str) -> str:
         """x @ W^T (+ b) as MatMul on a [in, out] weight: the form the weight-only quantizers take."""
         self.value_info.setdefault(x, ["batch", "seq", int(module.weight.shape[1])])
@@ -116,9 +125,10 @@ class _Builder:
             (y,) = self.node("Add", [y, b], [f"{name}.biased"], f"{name}.bias_add")
         return y
 
-    def fused_linear(self, x: str, modules: list[torch.nn.Linear], name: str, parts: list[str]) -> list[str]:
+    def fused_linear(self, x: str, modules: list[torch.nn.Linear], name: str, parts: list[str] | None) -> list[str]:
         """Several projections of the same input as one MatMul on their weights concatenated along the
-        output dim, then Split: one kernel (and one activation quantization) instead of several.
+        output dim, then Split (none when `parts` is None: the consumer takes them packed): one kernel
+        (and one activation quantization) instead of several.
         The node records the part widths (`specrt.parts`) so the GGUF pass can find each part's blocks;
         RTN quantization is per output column, so fusing changes no weight."""
         self.value_info.setdefault(x, ["batch", "seq", int(modules[0].weight.shape[1])])
@@ -131,6 +141,8 @@ class _Builder:
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(wd) for m, wd in zip(modules, widths)])
             b = self.weight(f"{name}.bias", bias)
             (y,) = self.node("Add", [y, b], [f"{name}.biased"], f"{name}.bias_add")
+        if parts is None:
+            return [y]
         split = self.const(f"{name}.split", np.array(widths, dtype=np.int64))
         return self.node("Split", [y, split], [f"{name}.{part}" for part in parts], f"{name}.split", axis=-1)
 
@@ -177,10 +189,12 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
                                  domain=MS_DOMAIN, epsilon=eps)
             taps[i] = residual
         attn = layer.self_attn
-        q, k, v = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj", ["q", "k", "v"])
+        # packed q|k|v (key and value left empty): GQA splits it itself, which saves a Split kernel
+        # a layer (~5 us each at one row, 2% of an int4 decode step)
+        (qkv,) = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj", None)
         (a, _, _) = g.node(
             "GroupQueryAttention",
-            [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
+            [qkv, "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
              "rotary.cos_cache", "rotary.sin_cache", "position_ids", "attention_bias"],
             [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attention", domain=MS_DOMAIN,
             num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, scale=1.0 / math.sqrt(c.head_dim),
@@ -214,12 +228,14 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
     # quantizers' head rewrite (specrt.export.quantize.gemm_heads_to_matmul) recognises it
     g.const("flat_shape", np.array([-1, c.hidden_size], dtype=np.int64))
     (flat,) = g.node("Reshape", [rows, "flat_shape"], ["row_states_2d"], "flatten_rows")
+    g.mark(HEAD_FLATTEN)
     (head,) = g.node("Gemm", [flat, head_weight], ["logits_2d"], "lm_head", transB=1)
     (rows_shape,) = g.node("Shape", ["logit_rows"], ["rows_shape"], "rows_shape")
     g.const("vocab_dim", np.array([c.vocab_size], dtype=np.int64))
     (out_shape,) = g.node("Concat", [rows_shape, "vocab_dim"], ["logits_shape"], "logits_shape", axis=0)
     logits_name = "logits" if dtype == torch.float32 else "logits_native"
     g.node("Reshape", [head, out_shape], [logits_name], "unflatten_logits")
+    g.mark(HEAD_UNFLATTEN)
     if dtype != torch.float32:
         g.node("Cast", [logits_name], ["logits"], "logits_float", to=TensorProto.FLOAT)
 

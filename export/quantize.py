@@ -80,6 +80,46 @@ def gemm_heads_to_matmul(model) -> int:
     return count
 
 
+def fold_head_reshapes(model) -> int:
+    """Drop the Reshapes the ORT-fused graph puts around its LM head (`ort_fused.HEAD_FLATTEN`) once the
+    head is a MatMul/MatMulNBits, which takes the [batch, rows, hidden] rows as they are and yields the
+    [batch, rows, vocab] logits directly. Returns the number of heads folded (0 on other graphs)."""
+    from specrt.export.ort_fused import HEAD_FLATTEN, HEAD_UNFLATTEN
+
+    def marked(key):
+        return [n for n in model.graph.node if any(p.key == key for p in n.metadata_props)]
+
+    folded = 0
+    for flatten in marked(HEAD_FLATTEN):
+        heads = [n for n in model.graph.node if n.input and n.input[0] == flatten.output[0]]
+        if len(heads) != 1 or heads[0].op_type not in ("MatMul", "MatMulNBits"):
+            continue  # still a 2-D Gemm (float head): the Reshapes are needed
+        head = heads[0]
+        unflatten = [n for n in marked(HEAD_UNFLATTEN) if n.input[0] == head.output[0]]
+        if len(unflatten) != 1:
+            continue
+        head.input[0] = flatten.input[0]
+        head.output[0] = unflatten[0].output[0]
+        model.graph.node.remove(flatten)
+        model.graph.node.remove(unflatten[0])
+        folded += 1
+    if folded:
+        drop_dead_nodes(model)
+    return folded
+
+
+def drop_dead_nodes(model) -> None:
+    """Remove nodes none of whose outputs is read (the logits shape computation a fold leaves behind)."""
+    outputs = {o.name for o in model.graph.output}
+    while True:
+        used = {name for node in model.graph.node for name in node.input} | outputs
+        dead = [n for n in model.graph.node if not any(o in used for o in n.output if o)]
+        if not dead:
+            return
+        for node in dead:
+            model.graph.node.remove(node)
+
+
 def drop_unused_initializers(model) -> None:
     used = {name for node in model.graph.node for name in node.input}
     used |= {name for fn in model.functions for node in fn.node for name in node.input}
@@ -115,6 +155,7 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
                                          algo_config=config)
         quantizer.process()
         model = quantizer.model.model
+    fold_head_reshapes(model)  # the fused graph's head is a MatMulNBits now
     drop_unused_initializers(model)
     quantized = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
     if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all

@@ -4,6 +4,7 @@ in place, used for single streams; batches fall back to the portable graph."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -209,6 +210,10 @@ def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders
     pipe = Pipeline.from_engines(out, threads=1)
     model = pipe.model
     assert model.two_row_decode and pipe.proposer.top_k == 1 and model.fused is not None
+    graph = onnx.load(str(out / "target_ort.onnx"), load_external_data=False).graph
+    assert not [n for n in graph.node if n.op_type == "Reshape"]  # the head's Reshapes folded (quantize.py)
+    assert next(n for n in graph.node if "logits" in n.output).op_type == "MatMulNBits"
+    assert all(n.input[1] == "" and n.input[2] == "" for n in graph.node if n.op_type == "GroupQueryAttention")
     assert not Pipeline.from_engines(root / "with", threads=1).model.two_row_decode  # fp32: not needed
     # no drafter loaded: nothing to reproduce, the faster one-row kernels are kept
     assert not Pipeline.from_engines(out, threads=1, drafter="none").model.two_row_decode
