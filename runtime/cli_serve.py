@@ -34,6 +34,8 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps", help="SPS table (sps.json from `specrt calibrate`; default: the engine folder's)")
     p.add_argument("--no-draft-gate", action="store_true",
                    help="confidence schedule: always draft, even when drafting has not paid recently")
+    p.add_argument("--no-measured-gate", action="store_true",
+                   help="confidence schedule: speculate even where speculative steps measured slower than plain ones")
 
 
 def check_batch_arguments(args: argparse.Namespace) -> None:
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     pipe = load_pipeline(args)
     engine = make_engine(pipe, args.slots, args.capacity)
     sps = sps_for(pipe, engine, args)
-    batcher = make_batcher(pipe, engine, args.schedule, sps, draft_gate=not args.no_draft_gate)
+    batcher = make_batcher(pipe, engine, args.schedule, sps, draft_gate=not args.no_draft_gate,
+                           measured_gate=not args.no_measured_gate)
     loop = EngineLoop(batcher, max_queue=args.max_queue).start()
     name = args.model_name or pipe.name
     app = create_app(loop, pipe.tokenizer, ServeConfig(name, args.default_max_tokens, args.request_timeout))

@@ -316,7 +316,7 @@ def test_a_closed_draft_gate_still_verifies_copies_losslessly(target):
     prompts = SERVE_PROMPTS[:3] + LOOPY
     alone = [plain(target, [p], n)[0] for p, n in zip(prompts, MAX_NEW)]
     proposer = WithLookup(block(target, "dspark", threshold=0.2), max_tokens=5, threshold=0.0)
-    batcher = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", SPS)
+    batcher = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", SPS, measured_gate=False)
     batcher.gate = ShutGate()
     requests = [Request(p, n) for p, n in zip(prompts, MAX_NEW)]
     drive(batcher, requests, ARRIVALS)

@@ -57,8 +57,9 @@ def drive(batcher: Batcher, requests: list[Request], arrivals=ARRIVALS, max_step
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_greedy_batched_equals_alone(target, alone, kind, schedule):
     slots = 3  # 6 requests through 3 rows: rows are freed and reused
-    # gate off: every step drafts, so the scheduler's cuts (chains and trees) are what gets verified
-    batcher = Batcher(TorchTargetEngine(target, 128, slots), KINDS[kind](target), schedule, SPS, draft_gate=False)
+    # gates off: every step drafts, so the scheduler's cuts (chains and trees) are what gets verified
+    batcher = Batcher(TorchTargetEngine(target, 128, slots), KINDS[kind](target), schedule, SPS, draft_gate=False,
+                      measured_gate=False)
     requests = [Request(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     drive(batcher, requests)
     assert [r.tokens for r in requests] == alone

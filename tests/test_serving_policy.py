@@ -160,14 +160,15 @@ def test_the_gate_stops_drafting_that_does_not_pay_and_stays_lossless(target):
              for p in prompts]
     fast = SpsTable([1, 1024], [1000.0, 999.0])  # a 1 ms step whatever its size: drafting time dominates
     proposer = SlowProposer(block(target, "dspark"), 0.01)
-    batcher = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", fast)
+    batcher = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", fast, measured_gate=False)
     requests = [batcher.add(Request(p, 30)) for p in prompts]
     batcher.run_until_done()
     assert [r.tokens for r in requests] == alone
     # one probe cost ~10 plain steps (10 ms vs a 1 ms step): closed for >= 10 / 5% = 200 steps
     assert batcher.counters.draft_steps == batcher.gate.probes == 1
     assert batcher.gate.skipped == batcher.counters.steps - 1 and batcher.gate.closed_for > 150
-    ungated = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", fast, draft_gate=False)
+    ungated = Batcher(TorchTargetEngine(target, 128, 3), proposer, "confidence", fast, draft_gate=False,
+                      measured_gate=False)
     requests = [ungated.add(Request(p, 30)) for p in prompts]
     ungated.run_until_done()
     assert [r.tokens for r in requests] == alone and ungated.counters.draft_steps == ungated.counters.steps
@@ -192,7 +193,7 @@ def test_the_gate_stays_open_when_drafts_pay(target):
                 for p in prompts]
     oracle = OracleProposer(expected, [len(p) for p in prompts], k=4, tree=False)  # no survivals: taken as 1
     flat = SpsTable([1, 1024], [1000.0, 999.0])
-    batcher = Batcher(TorchTargetEngine(target, 128, 2), oracle, "confidence", flat)
+    batcher = Batcher(TorchTargetEngine(target, 128, 2), oracle, "confidence", flat, measured_gate=False)
     requests = [batcher.add(Request(p, 30)) for p in prompts]
     batcher.run_until_done()
     assert [r.tokens for r in requests] == [e[:30] for e in expected]

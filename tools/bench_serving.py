@@ -8,8 +8,10 @@ by the next one) drive the same `Batcher` the server runs, in-process (no HTTP, 
 the engine's), with c KV rows. Modes per drafter:
   plain      the target alone (the same for every drafter: measured once)
   fixed      every draft verified as proposed (`--schedule fixed`)
-  scheduled  DSpark's Algorithm 1 over the drafts' survivals and SPS(B), draft gate on
-             (`--schedule confidence`); SPS from the engine folder's sps.json, else a quick profile.
+  scheduled  DSpark's Algorithm 1 over the drafts' survivals and SPS(B), draft gate and measured
+             gate on (`--schedule confidence`; the measured gate runs plain steps wherever speculative
+             steps measured slower, column "measured-plain steps"); SPS from the engine folder's
+             sps.json, else a quick profile.
              A drafter with copies grafted on (X+lookup) still verifies copies while the gate
              keeps its forward off ("copy-only steps").
 --lookup-alone adds the drafter-free lookup proposer (copies from the text; a target-only folder
@@ -194,7 +196,7 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
             "tau": c.emitted / c.row_steps if c.row_steps else 1.0,
             "latency_p50": percentile(latency, 0.5), "latency_p90": percentile(latency, 0.9),
             "ttft_p50": percentile(ttft, 0.5), "steps": c.steps, "draft_steps": c.draft_steps,
-            "copy_steps": c.copy_steps,
+            "copy_steps": c.copy_steps, "measured_plain_steps": c.measured_plain_steps,
             "outputs": [r.tokens for r in requests]}
 
 
@@ -273,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
                             "latency_p90": statistics.mean(r["latency_p90"] for r in rs),
                             "ttft_p50": statistics.mean(r["ttft_p50"] for r in rs),
                             "draft_steps": rs[0]["draft_steps"], "copy_steps": rs[0].get("copy_steps", 0),
+                            "measured_plain_steps": rs[0].get("measured_plain_steps", 0),
                             "steps": rs[0]["steps"], "same_as_plain": same})
     for row in results:
         base = next((r for r in results if r["mode"] == "plain" and r["concurrency"] == row["concurrency"]), None)
@@ -295,15 +298,16 @@ def render_markdown(report: dict) -> str:
                   f"{report['prompts']} prompts, {report['repeats']} run(s) per configuration "
                   "(tok/s: mean, spread min..max)."), "",
              ("| drafter | mode | concurrency | requests | tok/s | spread | vs plain | tau | latency p50 s | "
-              "latency p90 s | TTFT p50 s | draft steps | copy-only steps | same as plain |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "latency p90 s | TTFT p50 s | draft steps | copy-only steps | measured-plain steps | same as plain |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "-" if r["same_as_plain"] is None else f"{100 * r['same_as_plain']:.0f}%"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         lines.append(f"| {r['drafter']} | {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:.1f} | "
                      f"{r['tok_s_min']:.1f}..{r['tok_s_max']:.1f} | {speed} | {r['tau']:.2f} | "
                      f"{r['latency_p50']:.2f} | {r['latency_p90']:.2f} | {r['ttft_p50']:.3f} | "
-                     f"{r['draft_steps']}/{r['steps']} | {r.get('copy_steps', 0)} | {same} |")
+                     f"{r['draft_steps']}/{r['steps']} | {r.get('copy_steps', 0)} | "
+                     f"{r.get('measured_plain_steps', 0)} | {same} |")
     return "\n".join(lines) + "\n"
 
 

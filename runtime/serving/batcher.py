@@ -15,7 +15,9 @@ A step (`step()`):
   4. decode  every running request (the new ones included) in one target forward over rows
             0..hi-1 (hi = highest busy row + 1): draft (grouped by sampling settings), choose the
             verify lengths (`policy`: fixed or Algorithm 1), verify, commit, emit, observe.
-Plain decoding is the same step with empty proposals (no proposer, or the draft gate closed).
+Plain decoding is the same step with empty proposals (no proposer, the draft gate closed, or, in
+the scheduled mode, the measured gate finding speculative steps slower than plain ones at this
+many requests: `measured_gate.MeasuredGate`).
 With copies grafted on (`WithLookup`), a closed gate shuts the drafter's forward only: the copies
 (no forward to pay) are still proposed and scheduled ("copy-only steps"); the lookup is fed every
 step, the drafter lazily before its next draft.
@@ -52,6 +54,7 @@ from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.lookup import copy_proposal
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, is_seeded, seeded_token
+from specrt.runtime.serving.measured_gate import MeasuredGate
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
 from specrt.runtime.serving.rows import (
     proposer_prefix_view,
@@ -118,6 +121,7 @@ class BatcherCounters:
     finished: int = 0
     generated: int = 0  # every token handed to a request (prefill's first tokens included)
     copy_steps: int = 0  # steps that verified copies from the text with the drafter gated off
+    measured_plain_steps: int = 0  # steps the measured gate ran plain (speculation measured slower, or a probe)
     busy_seconds: float = 0.0
     finish_reasons: dict = field(default_factory=dict)  # reason -> count
     peak_running: int = 0  # most requests decoded together so far
@@ -128,7 +132,7 @@ class Batcher:
 
     def __init__(self, engine, proposer=None, schedule: str = "fixed", sps=None, eos_token_ids=(),
                  cost: str = "padded", draft_gate: bool = True, draft_seed: int = 0,
-                 seeded_sampling: str = "noise") -> None:
+                 seeded_sampling: str = "noise", measured_gate: bool = True) -> None:
         if schedule not in SCHEDULES:
             raise SpecrtError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         if schedule == "confidence" and proposer is not None and sps is None:
@@ -159,6 +163,10 @@ class Batcher:
         self.split = hasattr(proposer, "observe_copies")
         gated = proposer is not None and not getattr(proposer, "free_drafts", False)
         self.gate = DraftGate() if (draft_gate and schedule == "confidence" and gated) else None
+        # predictions can be wrong where measurements are not: the scheduled mode also checks that
+        # speculative steps really outrun plain ones (`measured_gate`); the fixed mode always speculates
+        scheduled = schedule == "confidence" and proposer is not None
+        self.measured = MeasuredGate() if (measured_gate and scheduled) else None
         self.draft_generator = torch.Generator().manual_seed(int(draft_seed))
         self.free: list[int] = list(range(self.slots))
         self.running: dict[int, Request] = {}
@@ -444,8 +452,11 @@ class Batcher:
         view = row_view(engine, 0, hi) if self.views else engine
         pview = proposer_prefix_view(self.proposer, hi)
         t0 = time.perf_counter()
-        drafting = self.proposer is not None and (self.gate is None or self.gate.should_draft())
-        copying = not drafting and self.split  # the gate shut the drafter; the copies cost nothing to make
+        speculate = self.measured is None or self.measured.speculate(len(active))
+        if not speculate:
+            c.measured_plain_steps += 1
+        drafting = speculate and self.proposer is not None and (self.gate is None or self.gate.should_draft())
+        copying = speculate and not drafting and self.split  # the gate shut the drafter; copies cost nothing to make
         proposals: list[Proposal | None] = [None] * hi
         for row in active:
             proposals[row] = EMPTY
@@ -480,6 +491,7 @@ class Batcher:
         c.step_tokens += int(ids.shape[0] * ids.shape[1])
         c.row_steps += len(active)
         copied: tuple[list[int], list[list[int]], list[int]] = ([], [], [])  # rows, tokens, next: for the lookup
+        emitted = 0
         for row in active:
             req, p = self.running[row], proposals[row]
             if req.noise:  # row 0 predicts the token after the anchor: generated index len(tokens)
@@ -494,6 +506,7 @@ class Batcher:
             c.verify_drafts += len(p)
             c.accepted_drafts += len(path)
             c.emitted += len(accepted) + 1
+            emitted += len(accepted) + 1
             previous = req.anchor
             req.anchor = bonus
             self._emit(req, accepted + [bonus])
@@ -514,6 +527,9 @@ class Batcher:
         if self.gate is None:  # drafting every step: ingest now (the gate's lazy path waits for a draft)
             self._flush(pview)
         t4 = time.perf_counter()
+        if self.measured is not None:
+            verified = any(len(proposals[row]) for row in active)
+            self.measured.record(len(active), verified, emitted, t4 - t0)
         for req in reqs:
             stats = req.stats
             stats.draft_seconds += draft_seconds + (t4 - t3)

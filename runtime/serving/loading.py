@@ -55,9 +55,10 @@ def eos_ids(pipe) -> list[int]:
     return ids
 
 
-def make_batcher(pipe, engine, schedule: str, sps, draft_gate: bool = True, drafter: bool = True):
+def make_batcher(pipe, engine, schedule: str, sps, draft_gate: bool = True, drafter: bool = True,
+                 measured_gate: bool = True):
     from specrt.runtime.serving.batcher import Batcher
 
     proposer = pipe.proposer if drafter else None
     return Batcher(engine, proposer, schedule if proposer is not None else "fixed", sps, eos_ids(pipe),
-                   draft_gate=draft_gate)
+                   draft_gate=draft_gate, measured_gate=measured_gate)

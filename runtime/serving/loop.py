@@ -113,6 +113,7 @@ class EngineLoop:
             "schedule": b.schedule,
             "drafter": b.proposer.name if b.proposer is not None else "none",
             "draft_gate_skipped": b.gate.skipped if b.gate is not None else 0,
+            "measured_plain_steps": c.measured_plain_steps,
         }
 
     # ---------------------------------------------------------------- engine thread
