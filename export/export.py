@@ -340,6 +340,7 @@ def export_engine(
             )
             mf.write_manifest(tmp, manifest)
             mf.load_manifest(tmp)  # the folder must pass the runtime's own checks before it goes live
+        _write_lookup_files(stages, tmp, loaded_target.name)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -348,6 +349,21 @@ def export_engine(
     stages.print(f"[bold]{out}[/bold]: {len(exported)} graphs, {total / 2**20:.1f} MB, "
                  f"{time.perf_counter() - stages.start:.1f} s, peak RSS {peak_rss_mb():.0f} MB")
     return out
+
+
+def _write_lookup_files(stages, folder: Path, target_name: str) -> None:
+    """lookup.json + datastore.npz (copy hit rates and the store of the target's own answers) when
+    specrt ships a data set this target generated: the lookup then starts calibrated, as after
+    `specrt calibrate`. Written after the manifest, like calibrate's files: outside the checksums."""
+    from specrt.runtime.proposers.lookup_prior import shipped_data_for, write_lookup_files
+
+    data = shipped_data_for(target_name)
+    if not data:
+        return
+    with stages.stage("copy hit rates and datastore (shipped data sets)") as info:
+        notes: list[str] = []
+        write_lookup_files(data, folder, progress=notes.append)
+        info["note"] = f"{len(data)} data sets"
 
 
 def quant_options(args: argparse.Namespace):

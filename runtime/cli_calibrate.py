@@ -1,6 +1,7 @@
 """`specrt calibrate`: profile SPS(B) (target steps/s vs token positions per step) on this device.
 
     specrt calibrate --engines engines/NAME              -> engines/NAME/sps.json + sps.png + lookup.json
+                                                          (+ datastore.npz where a data set fits the target)
     specrt calibrate --backend torch --out runs/sps      -> runs/sps/sps.json + sps.png
 
 The confidence schedule of `specrt serve` / the serving bench reads it (see
@@ -8,7 +9,9 @@ The confidence schedule of `specrt serve` / the serving bench reads it (see
 thread count and slot count: re-run it when they change. lookup.json holds the copy hit rates the
 lookup proposer starts from (`specrt.runtime.proposers.lookup_prior`): replayed over a data set the
 target generated (the shipped ones for the embedded default, a few seconds) or over plain greedy
-responses this engine generates for --lookup-prompts ShareGPT prompts.
+responses this engine generates for --lookup-prompts ShareGPT prompts. datastore.npz, where a data
+set fits the target, is the store of its responses the lookup also copies from
+(`specrt.runtime.proposers.datastore`); lookup.json then holds the store's hit rates too.
 """
 
 from __future__ import annotations
@@ -85,25 +88,30 @@ def target_name(pipe, args: argparse.Namespace) -> str:
 def calibrate_lookup(pipe, args: argparse.Namespace, out: Path) -> None:
     """lookup.json: copy hit rates replayed over this target's own greedy text (lookup_prior.py)."""
     from specrt.export.errors import SpecrtError
-    from specrt.runtime.proposers.lookup_prior import LOOKUP_FILE, prior_from_data, replay_hits, shipped_data_for
+    from specrt.runtime.proposers.lookup_prior import (
+        LOOKUP_FILE,
+        replay_hits,
+        report_prior,
+        shipped_data_for,
+        write_lookup_files,
+    )
 
     settings = lookup_settings(pipe)
     data = shipped_data_for(target_name(pipe, args)) if args.lookup_data == "auto" else [Path(args.lookup_data)]
     if data:
-        print(f"lookup: replaying copies over {', '.join(map(str, data))}", file=sys.stderr)
-        prior = prior_from_data(data, **settings)
-    else:
-        pairs = generate_responses(pipe, args.lookup_prompts)
-        if pairs is None:
-            return
-        prior = replay_hits(pairs, meta={"source": f"{len(pairs)} ShareGPT prompts, plain greedy on this engine"},
-                            **settings)
+        write_lookup_files(data, out, settings)
+        return
+    pairs = generate_responses(pipe, args.lookup_prompts)
+    if pairs is None:
+        return
+    prior = replay_hits(pairs, meta={"source": f"{len(pairs)} ShareGPT prompts, plain greedy on this engine"},
+                        **settings)
     if not prior.trials:
         raise SpecrtError("the lookup replay found no repeated text to count", "pass a larger --lookup-data set")
     prior.save(out / LOOKUP_FILE)
-    first = [round(prior.rate(n, 1), 2) for n in sorted(prior.trials)]
-    print(f"wrote {out / LOOKUP_FILE}: {prior.meta['steps']} replayed steps; first-copy hit rate by match length "
-          f"{first}", file=sys.stderr)
+    report_prior(prior, out / LOOKUP_FILE)
+    print("lookup: no data set for a copy datastore (datastore.npz): copies come from each request's own text",
+          file=sys.stderr)
 
 
 def lookup_settings(pipe) -> dict:

@@ -125,6 +125,7 @@ def generate_speculative(
         stats[b].draft_seconds += time.perf_counter() - t0
         emit(b, [first[b]])
 
+    step_timer = getattr(proposer, "observe_step_time", None)
     while not all(done):
         active = [b for b in range(batch) if not done[b]]
         t_draft = time.perf_counter()
@@ -138,6 +139,8 @@ def generate_speculative(
         ids, positions, new_mask = _verify_batch(proposals, anchors, engine.lengths)
         logits, taps = engine.forward(ids, positions, new_mask)
         t_host = time.perf_counter()
+        if step_timer is not None:  # a proposer that sizes its drafts by measured step cost
+            step_timer(int(ids.shape[0]), int(ids.shape[1]), t_host - t_verify)
         obs_rows, obs_tokens, obs_taps, obs_next = [], [], [], []
         for b in active:
             p = proposals[b]

@@ -129,7 +129,8 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.factory import lookup_proposer, with_lookup
     from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
-    from specrt.runtime.proposers.lookup_prior import load_prior_for
+    from specrt.runtime.backends.ort_backend import with_folder_lookup
+    from specrt.runtime.proposers.datastore import load_datastore_for
 
     options = dataclasses.replace(draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
     for label, pipe in list(drafted.items()):
@@ -139,8 +140,9 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
         tag = label[len(pipe.proposer.name):len(label) - len(suffix)]  # " [drafter int4]" or ""
         chain_only = bool(getattr(pipe.model, "two_row_decode", False))
         drafted[inner.name + tag + suffix] = pipe.with_proposer(inner)
-        # the folder's calibrated copy hit rates (lookup.json), as its own proposer would get them
-        folder_options = dataclasses.replace(options, lookup_prior=load_prior_for(pipe.folder))
+        # the folder's calibrated copy hit rates and copy store, as its own proposer would get them
+        folder_options = with_folder_lookup(options, pipe.folder, free_first=chain_only,
+                                            vocab_size=int(pipe.config.vocab_size))
         drafted[inner.name + "+lookup" + tag + suffix] = pipe.with_proposer(
             with_lookup(inner, folder_options, chain_only=chain_only))
     for label, pipe in list(plains.items()):
@@ -153,6 +155,11 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
             drafted["lookup" + suffix] = Pipeline.from_engines(pipe.folder, args.device, args.threads,
                                                                drafter="lookup", draft_options=options,
                                                                verify_checksums=False)
+            if load_datastore_for(pipe.folder) is not None:  # what the store adds, in the same run
+                own_only = dataclasses.replace(options, lookup_datastore=False)
+                drafted["lookup, own text only" + suffix] = Pipeline.from_engines(
+                    pipe.folder, args.device, args.threads, drafter="lookup", draft_options=own_only,
+                    verify_checksums=False)
         else:
             drafted["lookup" + suffix] = pipe.with_proposer(lookup_proposer(options))
 

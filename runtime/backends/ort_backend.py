@@ -55,14 +55,9 @@ class OrtEngines:
         lookup proposer instead, which needs no drafter graph."""
         from specrt.runtime.proposers.factory import lookup_proposer, proposer_for
 
-        options = options or manifest_draft_defaults(self.manifest.data)
-        if options.lookup_prior is None:
-            import dataclasses
-
-            from specrt.runtime.proposers.lookup_prior import load_prior_for
-
-            # the folder's calibrated copy hit rates (`specrt calibrate`), when it has them
-            options = dataclasses.replace(options, lookup_prior=load_prior_for(self.folder))
+        options = with_folder_lookup(options or manifest_draft_defaults(self.manifest.data), self.folder,
+                                     free_first=self.target.two_row_decode,
+                                     vocab_size=int(self.target.config.vocab_size))
         if lookup_only:
             return lookup_proposer(options)
         if self.drafter is None:
@@ -74,6 +69,26 @@ class OrtEngines:
                 options = exact_block_chain_options(options)
         # int8-activation engines are exact on chains only: one chain per step, not a tree of both
         return proposer_for(self.drafter_kind, self.drafter, options, chain_only=self.target.two_row_decode)
+
+
+def with_folder_lookup(options, folder, free_first: bool = False, vocab_size: int | None = None):
+    """options with the folder's calibrated copy hit rates (lookup.json) and copy datastore
+    (datastore.npz), where it has them and the caller set none (`specrt calibrate` writes both;
+    `specrt export` too for a target with shipped data). free_first: the engine decodes one token as
+    two rows, so a one-token copy costs nothing."""
+    import dataclasses
+
+    from specrt.runtime.proposers.datastore import load_datastore_for
+    from specrt.runtime.proposers.lookup_prior import load_prior_for
+
+    changes = {}
+    if options.lookup_prior is None:
+        changes["lookup_prior"] = load_prior_for(folder)
+    if options.lookup_datastore is None:
+        changes["lookup_datastore"] = load_datastore_for(folder, vocab_size)
+    if free_first:
+        changes["lookup_free_first"] = True
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 def exact_chain_options(options):

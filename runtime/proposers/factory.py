@@ -45,6 +45,10 @@ class DraftOptions:
     lookup_alone_above: float = DEFAULT_ALONE_ABOVE  # a copy this sure of its first token skips the drafter
     # calibrated copy hit rates (specrt.runtime.proposers.lookup_prior; an engine folder's lookup.json)
     lookup_prior: object = field(default=None, compare=False, repr=False)
+    # copies from a store of the target's earlier text (specrt.runtime.proposers.datastore; datastore.npz)
+    lookup_datastore: object = field(default=None, compare=False, repr=False)
+    # a one-token copy is free (the engine decodes one token as two rows anyway): verify one whatever its odds
+    lookup_free_first: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -69,7 +73,8 @@ class DraftOptions:
 
     def lookup_settings(self) -> dict:
         return {"max_tokens": self.lookup or DEFAULT_LOOKUP_TOKENS, "min_match": self.lookup_min_match,
-                "max_match": self.lookup_max_match, "threshold": self.lookup_threshold, "prior": self.lookup_prior}
+                "max_match": self.lookup_max_match, "threshold": self.lookup_threshold, "prior": self.lookup_prior,
+                "datastore": self.lookup_datastore, "free_first": self.lookup_free_first}
 
     def lookup_manifest(self) -> dict:
         """The lookup defaults an engine folder records (`drafter.lookup` in manifest.json)."""

@@ -52,7 +52,11 @@ from specrt.export.errors import SpecrtError
 from specrt.runtime.proposers.base import Proposal, _depth
 from specrt.runtime.sampling import SamplingParams
 
+from specrt.runtime.proposers.datastore import store_key
+from specrt.runtime.proposers.step_cost import StepCost, best_length
+
 if TYPE_CHECKING:
+    from specrt.runtime.proposers.datastore import NgramDatastore
     from specrt.runtime.proposers.lookup_prior import LookupPrior
 
 DEFAULT_LOOKUP_TOKENS = 16
@@ -163,11 +167,16 @@ class NgramLookup:
 
     def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
                  max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
-                 prior: "LookupPrior | None" = None) -> None:
+                 prior: "LookupPrior | None" = None, datastore: "NgramDatastore | None" = None,
+                 free_first: bool = False) -> None:
         check_lookup_settings(max_tokens, min_match, max_match, threshold)
         self.max_tokens, self.min_match, self.max_match = int(max_tokens), int(min_match), int(max_match)
         self.threshold = float(threshold)
         self.prior = prior
+        self.datastore = datastore or None  # copies from the target's earlier text (datastore.py); False: none
+        # the step computes a second row anyway (int8-activation engines decode one token as two rows):
+        # a one-token copy costs nothing there, whatever its estimate
+        self.free_first = bool(free_first)
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
@@ -177,40 +186,60 @@ class NgramLookup:
         self.record = HitRecord(prior=self.prior)
         self.index = [NgramIndex(self.max_match) for _ in range(batch_size)]
         self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
-        self.drafted: list[LookupChain | None] = [None] * batch_size
+        # per row, every candidate copy of the last step (own text, store), scored once the target answers
+        self.drafted: list[list[LookupChain]] = [[] for _ in range(batch_size)]
 
     def reset_row(self, row: int) -> None:
         self.index[row] = NgramIndex(self.max_match)
         self.lengths[row] = 0
-        self.drafted[row] = None
+        self.drafted[row] = []
 
     def observe(self, rows, tokens, next_tokens) -> None:
         for b, toks, nxt in zip(rows, tokens, next_tokens):
             toks = [int(t) for t in toks]
             index = self.index[b]
-            last = self.drafted[b]
-            if last is not None and last.match > 0:
+            for last in self.drafted[b]:
                 # what the target emitted after the old anchor: the accepted drafts, then the bonus.
-                # The whole copy is scored, also the part the threshold kept out of the verify step.
+                # Every candidate is scored whole (also the one not chosen, and the part the threshold
+                # kept out of the verify step), so each source's rates follow the text.
                 self.record.record(last.match, last.tokens, toks[1:] + [int(nxt)])
-            self.drafted[b] = None
+            self.drafted[b] = []
             # the old anchor (toks[0]) is already the last indexed token, unless the row is new
             new = toks[1:] if index.tokens else toks
             index.extend(new + [int(nxt)])
             self.lengths[b] += len(toks)
 
-    def chain(self, row: int) -> LookupChain:
-        """Row's copy, cut where its estimated survival falls below the threshold.
+    def chain(self, row: int, cost: tuple[float, float] | None = None) -> LookupChain:
+        """Row's copy, cut where its estimated survival falls below the threshold, or, with a step
+        cost line (c0, c1; `step_cost.py`), at the length that maximises expected tokens per second.
 
-        The cut depends only on committed tokens and past records, never on this step's target
-        output, so verification stays lossless."""
+        The cut depends only on committed tokens, past records and past step times, never on this
+        step's target output, so verification stays lossless."""
+        history = self.index[row].tokens
         tokens, match = self.index[row].continuation(self.max_tokens, self.min_match)
-        self.drafted[row] = LookupChain(tokens, match, [])
-        survival = self.record.survival(match, len(tokens)) if match else []
-        keep = 0
-        while keep < len(tokens) and survival[keep] >= self.threshold:
-            keep += 1
-        return LookupChain(tokens[:keep], match, survival[:keep])
+        candidates = [LookupChain(tokens, match, self.record.survival(match, len(tokens)))] if match else []
+        if self.datastore is not None:
+            stored, stored_match = self.datastore.chain(history, self.max_tokens)
+            if stored_match:
+                key = store_key(stored_match)
+                candidates.append(LookupChain(stored, key, self.record.survival(key, len(stored))))
+        self.drafted[row] = [LookupChain(c.tokens, c.match, []) for c in candidates]
+        best, best_score = LookupChain([], 0, []), 0.0
+        for c in candidates:  # the candidate expecting the most accepted copies (per second, with a cost)
+            if cost is not None:
+                keep = best_length(c.survival, cost, self.free_first)
+                score = (1 + sum(c.survival[:keep])) / (cost[0] + cost[1] * (1 + keep)) if keep else 0.0
+            else:
+                keep = 0
+                while keep < len(c.tokens) and c.survival[keep] >= self.threshold:
+                    keep += 1
+                score = sum(c.survival[:keep])
+            if keep and score > best_score:
+                best, best_score = LookupChain(c.tokens[:keep], c.match, c.survival[:keep]), score
+        if not best.tokens and self.free_first and candidates:
+            c = max(candidates, key=lambda c: c.survival[0])
+            best = LookupChain(c.tokens[:1], c.match, c.survival[:1])
+        return best
 
 
 class LookupProposer:
@@ -222,9 +251,11 @@ class LookupProposer:
 
     def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
                  max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
-                 prior: "LookupPrior | None" = None) -> None:
-        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior)
+                 prior: "LookupPrior | None" = None, datastore: "NgramDatastore | None" = None,
+                 free_first: bool = False) -> None:
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior, datastore, free_first)
         self.max_drafts = self.lookup.max_tokens
+        self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
 
     @property
     def lengths(self) -> list[int]:
@@ -246,8 +277,14 @@ class LookupProposer:
     def observe(self, rows, tokens, taps, next_tokens) -> None:
         self.lookup.observe(rows, tokens, next_tokens)
 
+    def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
+        self.step_cost.observe(batch, positions, seconds)
+
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
-        return [copy_proposal(self.lookup.chain(b)) for b in rows]
+        # measured costs choose the copy length for greedy requests only: a sampled request's drafts
+        # must not depend on timing (its random stream would be consumed differently run to run)
+        cost = self.step_cost.line(self.batch_size) if sampling.greedy else None
+        return [copy_proposal(self.lookup.chain(b, cost)) for b in rows]
 
 
 class WithLookup:
@@ -256,10 +293,11 @@ class WithLookup:
     def __init__(self, inner, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
                  max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
                  chain_only: bool = False, alone_above: float = DEFAULT_ALONE_ABOVE,
-                 prior: "LookupPrior | None" = None) -> None:
+                 prior: "LookupPrior | None" = None, datastore: "NgramDatastore | None" = None,
+                 free_first: bool = False) -> None:
         self.inner = inner
         self.alone_above = float(alone_above)
-        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior)
+        self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior, datastore, free_first)
         self.chain_only = chain_only
         self.last_chains: dict[int, LookupChain] = {}
         self.name = f"{inner.name}+lookup"

@@ -92,8 +92,11 @@ def load_prior_for(folder: str | Path | None) -> LookupPrior | None:
 
 def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_tokens: int = 16,
                 min_match: int = 1, max_match: int = 8, weight: float = DEFAULT_PRIOR_WEIGHT,
-                meta: dict | None = None) -> LookupPrior:
-    """Count lookup hits over (prompt, response) pairs (module docstring)."""
+                meta: dict | None = None, datastore=None) -> LookupPrior:
+    """Count lookup hits over (prompt, response) pairs (module docstring). With a `datastore` the
+    store's copies at each step are counted too (cells `datastore.store_key(m)`); the store must not
+    hold these responses, or its hits are its own text."""
+    from specrt.runtime.proposers.datastore import store_key
     from specrt.runtime.proposers.lookup import HitRecord, NgramIndex
 
     record = HitRecord()
@@ -116,6 +119,10 @@ def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_to
             if match:
                 # what the target emits after the anchor: the confirmed copies, then its own token
                 record.record(min(match, max_match), copy, response[t + 1:t + 2 + right])
+            if datastore is not None:
+                stored, stored_match = datastore.chain(index.tokens, max_tokens)
+                if stored_match:
+                    record.record(store_key(stored_match), stored, response[t + 1:t + 1 + len(stored)])
             steps += 1
             advance = min(right + 1, len(response) - 1 - t)
             index.extend(response[t + 1:t + 1 + advance])
@@ -141,13 +148,52 @@ def shipped_data_for(target_name: str) -> list[Path]:
     return found
 
 
-def prior_from_data(folders: Sequence[str | Path], **settings) -> LookupPrior:
-    """Replay over built data sets (`specrt.tools.build_data`: shards of prompt / response ids)."""
+def prior_from_data(folders: Sequence[str | Path], with_store: bool = False, **settings) -> LookupPrior:
+    """Replay over built data sets (`specrt.tools.build_data`: shards of prompt / response ids);
+    with_store: also the copy datastore's cells (`datastore.py`)."""
     from specrt.tools.build_data import read_shards
 
     samples = [s for folder in folders for s in read_shards(Path(folder))]
     if not samples:
         raise SpecrtError(f"{', '.join(map(str, folders))} hold no data shards",
                           "pass a folder built by `specrt train data`")
-    return replay_hits(((s["prompt"], s["response"]) for s in samples),
-                       meta={"source": "data sets " + ", ".join(Path(f).name for f in folders)}, **settings)
+    source = "data sets " + ", ".join(Path(f).name for f in folders)
+    prior = replay_hits(((s["prompt"], s["response"]) for s in samples), meta={"source": source}, **settings)
+    if with_store:
+        # the store's cells: its copies replayed over held-out samples, from a store without them
+        from specrt.runtime.proposers.datastore import datastore_from_data
+        from specrt.tools.train_features import is_validation
+
+        store = datastore_from_data(folders, exclude=is_validation)
+        held_out = [(s["prompt"], s["response"]) for s in samples if is_validation(s["id"])]
+        counted = replay_hits(held_out, datastore=store, **settings)
+        for key in [k for k in counted.trials if k < 0]:
+            prior.trials[key], prior.hits[key] = counted.trials[key], counted.hits[key]
+        prior.meta["store_replay"] = {"held_out_responses": len(held_out), "store_entries": len(store)}
+    return prior
+
+
+def write_lookup_files(data: Sequence[Path], out: Path, settings: dict | None = None, progress=None) -> None:
+    """lookup.json (own-text and store cells) and datastore.npz from built data sets of this target's
+    greedy responses (`specrt calibrate`; `specrt export` for a target with shipped data)."""
+    import sys
+
+    from specrt.runtime.proposers.datastore import DATASTORE_FILE, datastore_from_data
+
+    say = progress or (lambda m: print(m, file=sys.stderr))
+    say(f"lookup: replaying copies over {', '.join(map(str, data))}")
+    prior = prior_from_data(data, with_store=True, **(settings or {}))
+    prior.save(out / LOOKUP_FILE)
+    report_prior(prior, out / LOOKUP_FILE, say)
+    store = datastore_from_data(data)
+    store.save(out / DATASTORE_FILE)
+    say(f"wrote {out / DATASTORE_FILE}: {len(store)} n-grams of {store.meta['sequences']} responses; first store-copy "
+        f"hit rate by match length {[round(prior.rate(k, 1), 2) for k in sorted(prior.trials, reverse=True) if k < 0]}")
+
+
+def report_prior(prior: LookupPrior, path: Path, say=None) -> None:
+    import sys
+
+    say = say or (lambda m: print(m, file=sys.stderr))
+    first = [round(prior.rate(n, 1), 2) for n in sorted(prior.trials) if n > 0]
+    say(f"wrote {path}: {prior.meta['steps']} replayed steps; first-copy hit rate by match length {first}")
