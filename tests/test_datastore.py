@@ -105,3 +105,25 @@ def test_the_step_cost_line_and_the_length_it_chooses():
     # (1 + .9 + .8) / 7 beats (1 + .9) / 6 and (1 + .9 + .8 + .1) / 8
     assert best_length([0.9, 0.8, 0.1], (4.0, 1.0)) == 2
     assert best_length([0.1], (4.0, 1.0)) == 0 and best_length([0.1], (4.0, 1.0), free_first=True) == 1
+
+
+def test_two_disagreeing_copies_are_verified_as_two_branches_losslessly(target):
+    """tree=True: where the request's own text and the store propose different next tokens, both are
+    verified (a tree); greedy output still equals plain decoding, and some step verified a tree."""
+    answers = plain(target, PROMPTS, 40)
+    rng = random.Random(1)
+    # half right (the answers), half noise: the two sources disagree often
+    store = NgramDatastore.build([list(a) for a in answers[:2]] + [[rng.randrange(VOCAB) for _ in range(100)]])
+    proposer = LookupProposer(max_tokens=6, threshold=0.0, datastore=store, tree=True)
+    trees = []
+    original = proposer.propose
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        trees.extend(not p.is_chain for p in out)
+        return out
+
+    proposer.propose = spy
+    got = [generate_speculative(TorchTargetEngine(target, 128), proposer, [p], 40, SamplingParams()).tokens[0]
+           for p in PROMPTS]
+    assert got == answers and any(trees)

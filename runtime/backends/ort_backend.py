@@ -88,6 +88,8 @@ def with_folder_lookup(options, folder, free_first: bool = False, vocab_size: in
         changes["lookup_datastore"] = load_datastore_for(folder, vocab_size)
     if free_first:
         changes["lookup_free_first"] = True
+    else:  # an engine exact on trees: two disagreeing copies can be verified side by side
+        changes["lookup_tree"] = True
     return dataclasses.replace(options, **changes) if changes else options
 
 

@@ -124,13 +124,13 @@ class NgramDatastore:
         if longest == 0 or len(self) == 0:
             return -1, 0
         hashes = _hash_suffixes(history, longest)
-        at = np.searchsorted(self.keys, hashes)
-        at = np.minimum(at, len(self) - 1)
-        found = self.keys[at] == hashes
-        if not found.any():
-            return -1, 0
-        n = int(np.flatnonzero(found)[-1])  # the longest suffix found
-        return int(self.next_tokens[at[n]]), n + 1
+        at = np.searchsorted(self.keys, hashes).tolist()  # one numpy call; the rest on Python ints
+        size = len(self)
+        for n in range(longest - 1, -1, -1):  # the longest suffix found
+            i = at[n]
+            if i < size and int(self.keys[i]) == int(hashes[n]):
+                return int(self.next_tokens[i]), n + 1
+        return -1, 0
 
     def chain(self, history: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
         """(greedy walk of up to max_tokens stored continuations, match length of its first token)."""

@@ -49,6 +49,8 @@ class DraftOptions:
     lookup_datastore: object = field(default=None, compare=False, repr=False)
     # a one-token copy is free (the engine decodes one token as two rows anyway): verify one whatever its odds
     lookup_free_first: bool = field(default=False, compare=False)
+    # the drafter-free lookup may verify two disagreeing copies as two branches (engines exact on trees)
+    lookup_tree: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tree_top_k < 1 or self.tree_depth < 1 or self.tree_tokens < 2:
@@ -140,7 +142,7 @@ def lookup_proposer(options: DraftOptions):
     """The drafter-free proposer: drafts copied from the request's own text."""
     from specrt.runtime.proposers.lookup import LookupProposer
 
-    return LookupProposer(**options.lookup_settings())
+    return LookupProposer(tree=options.lookup_tree, **options.lookup_settings())
 
 
 def with_lookup(proposer, options: DraftOptions, chain_only: bool = False):

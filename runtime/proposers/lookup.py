@@ -63,6 +63,7 @@ DEFAULT_LOOKUP_TOKENS = 16
 DEFAULT_MIN_MATCH = 1
 DEFAULT_MAX_MATCH = 8
 DEFAULT_LOOKUP_THRESHOLD = 0.15  # verify a copied token while its estimated survival is at least this
+STORE_MAX_TOKENS = 8  # copies from the datastore per step at most (its hit rates fall fast with depth)
 DEFAULT_ALONE_ABOVE = 0.8  # a copy whose first token is this likely right is verified without the drafter's
 
 
@@ -188,11 +189,13 @@ class NgramLookup:
         self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
         # per row, every candidate copy of the last step (own text, store), scored once the target answers
         self.drafted: list[list[LookupChain]] = [[] for _ in range(batch_size)]
+        self.candidates: list[list[LookupChain]] = [[] for _ in range(batch_size)]  # with their survivals
 
     def reset_row(self, row: int) -> None:
         self.index[row] = NgramIndex(self.max_match)
         self.lengths[row] = 0
         self.drafted[row] = []
+        self.candidates[row] = []
 
     def observe(self, rows, tokens, next_tokens) -> None:
         for b, toks, nxt in zip(rows, tokens, next_tokens):
@@ -219,11 +222,13 @@ class NgramLookup:
         tokens, match = self.index[row].continuation(self.max_tokens, self.min_match)
         candidates = [LookupChain(tokens, match, self.record.survival(match, len(tokens)))] if match else []
         if self.datastore is not None:
-            stored, stored_match = self.datastore.chain(history, self.max_tokens)
+            # a store copy is rarely right for long (its text is another request's): 8 at most
+            stored, stored_match = self.datastore.chain(history, min(self.max_tokens, STORE_MAX_TOKENS))
             if stored_match:
                 key = store_key(stored_match)
                 candidates.append(LookupChain(stored, key, self.record.survival(key, len(stored))))
         self.drafted[row] = [LookupChain(c.tokens, c.match, []) for c in candidates]
+        self.candidates[row] = candidates
         best, best_score = LookupChain([], 0, []), 0.0
         for c in candidates:  # the candidate expecting the most accepted copies (per second, with a cost)
             if cost is not None:
@@ -252,9 +257,12 @@ class LookupProposer:
     def __init__(self, max_tokens: int = DEFAULT_LOOKUP_TOKENS, min_match: int = DEFAULT_MIN_MATCH,
                  max_match: int = DEFAULT_MAX_MATCH, threshold: float = DEFAULT_LOOKUP_THRESHOLD,
                  prior: "LookupPrior | None" = None, datastore: "NgramDatastore | None" = None,
-                 free_first: bool = False) -> None:
+                 free_first: bool = False, tree: bool = False) -> None:
         self.lookup = NgramLookup(max_tokens, min_match, max_match, threshold, prior, datastore, free_first)
-        self.max_drafts = self.lookup.max_tokens
+        # tree: a second copy that disagrees with the first is verified as its own branch (engines
+        # exact on trees only; int8-activation engines verify chains)
+        self.tree = bool(tree)
+        self.max_drafts = 2 * self.lookup.max_tokens if self.tree else self.lookup.max_tokens
         self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
 
     @property
@@ -284,7 +292,38 @@ class LookupProposer:
         # measured costs choose the copy length for greedy requests only: a sampled request's drafts
         # must not depend on timing (its random stream would be consumed differently run to run)
         cost = self.step_cost.line(self.batch_size) if sampling.greedy else None
-        return [copy_proposal(self.lookup.chain(b, cost)) for b in rows]
+        out = []
+        for b in rows:
+            best = self.lookup.chain(b, cost)
+            p = copy_proposal(best)
+            if self.tree and best.tokens:
+                p = self._with_second_branch(p, best, b, cost)
+            out.append(p)
+        return out
+
+    def _with_second_branch(self, p: Proposal, best: LookupChain, row: int, cost) -> Proposal:
+        """The other candidate (own text or store) as a second branch, as long as it pays: by the
+        step cost where one is measured, else while its survival stays above the threshold. Two
+        copies that disagree on a token are exclusive events, so their survivals add."""
+        others = [c for c in self.lookup.candidates[row] if c.tokens and c.tokens[0] != best.tokens[0]]
+        if not others:
+            return p
+        other = max(others, key=lambda c: c.survival[0])
+        expected, rows_now = 1.0 + sum(best.survival), 1 + len(best.tokens)
+        keep = 0
+        if cost is not None:
+            c0, c1 = cost
+            rate, gain = expected / (c0 + c1 * rows_now), 0.0
+            for k, s in enumerate(other.survival, start=1):
+                gain += s
+                if (expected + gain) / (c0 + c1 * (rows_now + k)) > rate:
+                    keep, rate = k, (expected + gain) / (c0 + c1 * (rows_now + k))
+        else:
+            while keep < len(other.tokens) and other.survival[keep] >= self.lookup.threshold:
+                keep += 1
+        if keep == 0:
+            return p
+        return graft_tree(p, LookupChain(other.tokens[:keep], other.match, other.survival[:keep]))
 
 
 class WithLookup:

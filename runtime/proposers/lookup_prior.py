@@ -97,7 +97,7 @@ def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_to
     store's copies at each step are counted too (cells `datastore.store_key(m)`); the store must not
     hold these responses, or its hits are its own text."""
     from specrt.runtime.proposers.datastore import store_key
-    from specrt.runtime.proposers.lookup import HitRecord, NgramIndex
+    from specrt.runtime.proposers.lookup import STORE_MAX_TOKENS, HitRecord, NgramIndex
 
     record = HitRecord()
     steps = responses = tokens = 0
@@ -120,7 +120,7 @@ def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_to
                 # what the target emits after the anchor: the confirmed copies, then its own token
                 record.record(min(match, max_match), copy, response[t + 1:t + 2 + right])
             if datastore is not None:
-                stored, stored_match = datastore.chain(index.tokens, max_tokens)
+                stored, stored_match = datastore.chain(index.tokens, min(max_tokens, STORE_MAX_TOKENS))
                 if stored_match:
                     record.record(store_key(stored_match), stored, response[t + 1:t + 1 + len(stored)])
             steps += 1
