@@ -36,6 +36,14 @@ none), and a copy whose first token is at least `alone_above` likely is verified
 the drafter at all. A grafted node's survival (read by the serving scheduler) is at most its
 parent's, so it never increases along a path.
 
+Copies from a store (`datastore.py`). With an engine folder's datastore.npz, the store's greedy walk
+over the target's earlier answers is a second candidate each step; the record keeps its rates
+apart (negative match keys) and the step verifies whichever candidate expects more accepted
+tokens. `free_first`: on engines that compute a second row anyway (int4, `two_row_decode`) one copy is
+verified whatever its estimate. The drafter-free `LookupProposer` of a greedy request sizes its copy
+by the step cost it measures (`step_cost.py`) instead of the threshold, and with `tree` verifies a
+disagreeing second candidate as its own branch.
+
 Chains only on int8-activation engines (see `backends.ort_backend.exact_chain_options`): there the
 proposal must stay a chain, so `chain_only` verifies one chain per step: the copy when its summed
 survival beats the drafter chain's, else the drafter's (`graft_chain`).
