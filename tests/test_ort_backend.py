@@ -119,7 +119,7 @@ def test_int8_activation_engines_turn_every_tree_into_a_chain(monkeypatch):
 
     seen = []
     monkeypatch.setattr(factory, "proposer_for", lambda kind, drafter, options, **kw: seen.append(options))
-    target = types.SimpleNamespace(two_row_decode=True)
+    target = types.SimpleNamespace(two_row_decode=True, config=types.SimpleNamespace(vocab_size=64))
     for kind in ("dflash", "eagle3"):
         engines = OrtEngines(Path("x"), None, target, object(), kind, None, None)
         engines.proposer(DraftOptions(tree_top_k=4, block_tree_top_k=3))
