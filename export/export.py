@@ -361,8 +361,7 @@ def _write_lookup_files(stages, folder: Path, target_name: str) -> None:
     if not data:
         return
     with stages.stage("copy hit rates and datastore (shipped data sets)") as info:
-        notes: list[str] = []
-        write_lookup_files(data, folder, progress=notes.append)
+        write_lookup_files(data, folder, progress=lambda message: None)  # the stage line reports it
         info["note"] = f"{len(data)} data sets"
 
 

@@ -103,8 +103,10 @@ def test_the_step_cost_line_and_the_length_it_chooses():
     assert c0 == pytest.approx(0.004) and c1 == pytest.approx(0.001)
     assert cost.line(batch=2) is None  # costs are kept per batch size
     # (1 + .9 + .8) / 7 beats (1 + .9) / 6 and (1 + .9 + .8 + .1) / 8
-    assert best_length([0.9, 0.8, 0.1], (4.0, 1.0)) == 2
-    assert best_length([0.1], (4.0, 1.0)) == 0 and best_length([0.1], (4.0, 1.0), free_first=True) == 1
+    assert best_length([0.9, 0.8, 0.1], (4.0, 1.0)) == (2, pytest.approx(2.7 / 7))
+    assert best_length([0.1], (4.0, 1.0))[0] == 0 and best_length([0.1], (4.0, 1.0), free_first=True)[0] == 1
+    # sizing a second branch: the step already holds 3 rows expecting 2.5 tokens
+    assert best_length([0.5, 0.1], (4.0, 1.0), expected=2.5, rows=3)[0] == 1
 
 
 def test_two_disagreeing_copies_are_verified_as_two_branches_losslessly(target):

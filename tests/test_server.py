@@ -103,6 +103,8 @@ def test_completion_greedy_equals_plain_decoding(pipe, server, client):
     assert ids.choices[0].text == r.choices[0].text
     metrics = server["loop"].snapshot()
     assert metrics["steps"] > 0 and metrics["draft_steps"] > 0
+    # the measured gate reports what it saw at one running request (its warm-up ran both kinds)
+    assert set(metrics["measured_tok_s"]["1"]) == {"speculative_tok_s", "plain_tok_s"}
 
 
 def test_chat_streaming_equals_non_streaming(pipe, server, client):

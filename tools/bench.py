@@ -130,7 +130,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
     from specrt.runtime.proposers.factory import lookup_proposer, with_lookup
     from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
     from specrt.runtime.backends.ort_backend import with_folder_lookup
-    from specrt.runtime.proposers.datastore import load_datastore_for
+    from specrt.runtime.proposers.datastore import DATASTORE_FILE
 
     options = dataclasses.replace(draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
     for label, pipe in list(drafted.items()):
@@ -155,7 +155,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
             drafted["lookup" + suffix] = Pipeline.from_engines(pipe.folder, args.device, args.threads,
                                                                drafter="lookup", draft_options=options,
                                                                verify_checksums=False)
-            if load_datastore_for(pipe.folder) is not None:  # what the store adds, in the same run
+            if (Path(pipe.folder) / DATASTORE_FILE).is_file():  # what the store adds, in the same run
                 own_only = dataclasses.replace(options, lookup_datastore=False)
                 drafted["lookup, own text only" + suffix] = Pipeline.from_engines(
                     pipe.folder, args.device, args.threads, drafter="lookup", draft_options=own_only,

@@ -6,8 +6,8 @@ tokens) about half the steps find no useful earlier match. A small target is for
 requests too ("Here are some ...", "In conclusion, ..."), so a store of what it generated for other
 prompts predicts the next token often enough to be worth a verify row: replayed over MT-bench, the
 store's first copy is right 17-67% of the time by match length (own text: 22-95%), and choosing per
-step whichever of the two expects more accepted copies lifts accepted tokens per step 2.34 -> 2.70
-(session 15, docs/numbers.md). This is retrieval-based drafting (REST's idea) on a tiny store.
+step whichever of the two expects more accepted copies lifts accepted copies per step 1.39 -> 1.49
+(a one-off replay, session 15, docs/numbers.md). This is retrieval-based drafting (REST's idea) on a tiny store.
 
 What. `NgramDatastore` maps every n-gram (n = 1..max_match) of the stored responses to the token
 that most often followed it. A chain is a greedy walk: the longest suffix of the history found in
@@ -17,8 +17,8 @@ its hit rates in the lookup's record (negative keys, `store_key`), so the calibr
 store copy is learned apart from the request's own copies.
 
 Storage. One sorted uint64 array of n-gram hashes (n mixed in) and the int32 next token of each, for
-all n together: 1.3M entries and ~16 MB for the embedded default's 4k responses, built with numpy in
-about a second, saved as `datastore.npz` in an engine folder (`specrt export` writes it for a target
+all n together: 1.4M entries and ~16 MB for the embedded default's 4k responses, built with numpy in
+~7 s, saved as `datastore.npz` in an engine folder (`specrt export` writes it for a target
 with shipped data, `specrt calibrate` for any). A lookup hashes the <= max_match suffixes and does one
 `searchsorted`. A hash collision can only propose a wrong token, which verification rejects: the
 store never affects what is emitted, only how fast.
@@ -191,12 +191,9 @@ def load_datastore_for(folder: str | Path | None, vocab_size: int | None = None)
     return store
 
 
-def datastore_from_data(folders: Sequence[str | Path], exclude=None, **settings) -> NgramDatastore:
-    """A store over the responses of built data sets (`specrt train data` shards); `exclude(sample_id)`
-    leaves samples out (the calibration replays held-out ones against a store without them)."""
-    from specrt.tools.build_data import read_shards
-
-    samples = [s for folder in folders for s in read_shards(Path(folder))]
+def datastore_from_samples(samples: Sequence[dict], source: str, exclude=None, **settings) -> NgramDatastore:
+    """A store over the responses of built data-set samples (`specrt train data` shards, read by
+    `lookup_prior.read_data_sets`); `exclude(sample_id)` leaves samples out (the calibration replays
+    held-out ones against a store without them)."""
     responses = [s["response"] for s in samples if exclude is None or not exclude(s["id"])]
-    return NgramDatastore.build(responses, meta={"source": "data sets " + ", ".join(Path(f).name for f in folders)},
-                                **settings)
+    return NgramDatastore.build(responses, meta={"source": source}, **settings)

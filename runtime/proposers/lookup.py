@@ -195,30 +195,36 @@ class NgramLookup:
         self.record = HitRecord(prior=self.prior)
         self.index = [NgramIndex(self.max_match) for _ in range(batch_size)]
         self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
-        # per row, every candidate copy of the last step (own text, store), scored once the target answers
-        self.drafted: list[list[LookupChain]] = [[] for _ in range(batch_size)]
-        self.candidates: list[list[LookupChain]] = [[] for _ in range(batch_size)]  # with their survivals
+        # per row, every candidate copy of the last step (own text, store, whole, with their survivals),
+        # scored once the target answers
+        self.candidates: list[list[LookupChain]] = [[] for _ in range(batch_size)]
 
     def reset_row(self, row: int) -> None:
         self.index[row] = NgramIndex(self.max_match)
         self.lengths[row] = 0
-        self.drafted[row] = []
         self.candidates[row] = []
 
     def observe(self, rows, tokens, next_tokens) -> None:
         for b, toks, nxt in zip(rows, tokens, next_tokens):
             toks = [int(t) for t in toks]
             index = self.index[b]
-            for last in self.drafted[b]:
+            for last in self.candidates[b]:
                 # what the target emitted after the old anchor: the accepted drafts, then the bonus.
                 # Every candidate is scored whole (also the one not chosen, and the part the threshold
                 # kept out of the verify step), so each source's rates follow the text.
                 self.record.record(last.match, last.tokens, toks[1:] + [int(nxt)])
-            self.drafted[b] = []
+            self.candidates[b] = []
             # the old anchor (toks[0]) is already the last indexed token, unless the row is new
             new = toks[1:] if index.tokens else toks
             index.extend(new + [int(nxt)])
             self.lengths[b] += len(toks)
+
+    def above_threshold(self, survival: Sequence[float]) -> int:
+        """How many leading copies keep an estimated survival of at least the threshold."""
+        keep = 0
+        while keep < len(survival) and survival[keep] >= self.threshold:
+            keep += 1
+        return keep
 
     def chain(self, row: int, cost: tuple[float, float] | None = None) -> LookupChain:
         """Row's copy, cut where its estimated survival falls below the threshold, or, with a step
@@ -235,17 +241,13 @@ class NgramLookup:
             if stored_match:
                 key = store_key(stored_match)
                 candidates.append(LookupChain(stored, key, self.record.survival(key, len(stored))))
-        self.drafted[row] = [LookupChain(c.tokens, c.match, []) for c in candidates]
         self.candidates[row] = candidates
         best, best_score = LookupChain([], 0, []), 0.0
         for c in candidates:  # the candidate expecting the most accepted copies (per second, with a cost)
             if cost is not None:
-                keep = best_length(c.survival, cost, self.free_first)
-                score = (1 + sum(c.survival[:keep])) / (cost[0] + cost[1] * (1 + keep)) if keep else 0.0
+                keep, score = best_length(c.survival, cost, self.free_first)
             else:
-                keep = 0
-                while keep < len(c.tokens) and c.survival[keep] >= self.threshold:
-                    keep += 1
+                keep = self.above_threshold(c.survival)
                 score = sum(c.survival[:keep])
             if keep and score > best_score:
                 best, best_score = LookupChain(c.tokens[:keep], c.match, c.survival[:keep]), score
@@ -317,18 +319,10 @@ class LookupProposer:
         if not others:
             return p
         other = max(others, key=lambda c: c.survival[0])
-        expected, rows_now = 1.0 + sum(best.survival), 1 + len(best.tokens)
-        keep = 0
         if cost is not None:
-            c0, c1 = cost
-            rate, gain = expected / (c0 + c1 * rows_now), 0.0
-            for k, s in enumerate(other.survival, start=1):
-                gain += s
-                if (expected + gain) / (c0 + c1 * (rows_now + k)) > rate:
-                    keep, rate = k, (expected + gain) / (c0 + c1 * (rows_now + k))
+            keep, _ = best_length(other.survival, cost, expected=1.0 + sum(best.survival), rows=1 + len(best.tokens))
         else:
-            while keep < len(other.tokens) and other.survival[keep] >= self.lookup.threshold:
-                keep += 1
+            keep = self.lookup.above_threshold(other.survival)
         if keep == 0:
             return p
         return graft_tree(p, LookupChain(other.tokens[:keep], other.match, other.survival[:keep]))

@@ -148,23 +148,31 @@ def shipped_data_for(target_name: str) -> list[Path]:
     return found
 
 
-def prior_from_data(folders: Sequence[str | Path], with_store: bool = False, **settings) -> LookupPrior:
-    """Replay over built data sets (`specrt.tools.build_data`: shards of prompt / response ids);
-    with_store: also the copy datastore's cells (`datastore.py`)."""
+def read_data_sets(folders: Sequence[str | Path]) -> tuple[list[dict], str]:
+    """(every sample of the built data sets, a label naming them); refused when they hold none."""
     from specrt.tools.build_data import read_shards
 
     samples = [s for folder in folders for s in read_shards(Path(folder))]
     if not samples:
         raise SpecrtError(f"{', '.join(map(str, folders))} hold no data shards",
                           "pass a folder built by `specrt train data`")
-    source = "data sets " + ", ".join(Path(f).name for f in folders)
+    return samples, "data sets " + ", ".join(Path(f).name for f in folders)
+
+
+def prior_from_data(folders: Sequence[str | Path], with_store: bool = False, **settings) -> LookupPrior:
+    """Replay over built data sets (`specrt.tools.build_data`: shards of prompt / response ids);
+    with_store: also the copy datastore's cells (`datastore.py`)."""
+    return prior_from_samples(*read_data_sets(folders), with_store=with_store, **settings)
+
+
+def prior_from_samples(samples: Sequence[dict], source: str, with_store: bool = False, **settings) -> LookupPrior:
     prior = replay_hits(((s["prompt"], s["response"]) for s in samples), meta={"source": source}, **settings)
     if with_store:
         # the store's cells: its copies replayed over held-out samples, from a store without them
-        from specrt.runtime.proposers.datastore import datastore_from_data
+        from specrt.runtime.proposers.datastore import datastore_from_samples
         from specrt.tools.train_features import is_validation
 
-        store = datastore_from_data(folders, exclude=is_validation)
+        store = datastore_from_samples(samples, source, exclude=is_validation)
         held_out = [(s["prompt"], s["response"]) for s in samples if is_validation(s["id"])]
         counted = replay_hits(held_out, datastore=store, **settings)
         for key in [k for k in counted.trials if k < 0]:
@@ -178,14 +186,15 @@ def write_lookup_files(data: Sequence[Path], out: Path, settings: dict | None = 
     greedy responses (`specrt calibrate`; `specrt export` for a target with shipped data)."""
     import sys
 
-    from specrt.runtime.proposers.datastore import DATASTORE_FILE, datastore_from_data
+    from specrt.runtime.proposers.datastore import DATASTORE_FILE, datastore_from_samples
 
     say = progress or (lambda m: print(m, file=sys.stderr))
     say(f"lookup: replaying copies over {', '.join(map(str, data))}")
-    prior = prior_from_data(data, with_store=True, **(settings or {}))
+    samples, source = read_data_sets(data)  # read once: the replay and both stores use them
+    prior = prior_from_samples(samples, source, with_store=True, **(settings or {}))
     prior.save(out / LOOKUP_FILE)
     report_prior(prior, out / LOOKUP_FILE, say)
-    store = datastore_from_data(data)
+    store = datastore_from_samples(samples, source)
     store.save(out / DATASTORE_FILE)
     say(f"wrote {out / DATASTORE_FILE}: {len(store)} n-grams of {store.meta['sequences']} responses; first store-copy "
         f"hit rate by match length {[round(prior.rate(k, 1), 2) for k in sorted(prior.trials, reverse=True) if k < 0]}")

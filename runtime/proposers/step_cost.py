@@ -48,14 +48,17 @@ class StepCost:
         return c0, c1
 
 
-def best_length(survival: list[float], cost: tuple[float, float], free_first: bool = False) -> int:
-    """Algorithm 1 for one row: the L maximising (1 + sum(survival[:L])) / cost(T), T = 1 + L
-    (cost(1) = cost(2) when the engine computes a second row anyway)."""
+def best_length(survival: list[float], cost: tuple[float, float], free_first: bool = False,
+                expected: float = 1.0, rows: int = 1) -> tuple[int, float]:
+    """Algorithm 1 for one row: (L, tokens per second) for the L maximising
+    (expected + sum(survival[:L])) / cost(rows + L). `expected`/`rows`: what the step already holds
+    (the anchor alone by default; a first branch when sizing a second); free_first: the engine
+    computes a second row anyway, so a one-row step costs what a two-row one does."""
     c0, c1 = cost
-    best_l, best_rate, expected = 0, 1.0 / (c0 + c1 * (2 if free_first else 1)), 1.0
+    best_l, best_rate = 0, expected / (c0 + c1 * max(rows, 2 if free_first else 1))
     for length, s in enumerate(survival, start=1):
         expected += s
-        rate = expected / (c0 + c1 * (1 + length))
+        rate = expected / (c0 + c1 * (rows + length))
         if rate > best_rate:
             best_l, best_rate = length, rate
-    return best_l
+    return best_l, best_rate

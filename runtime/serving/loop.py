@@ -114,6 +114,9 @@ class EngineLoop:
             "drafter": b.proposer.name if b.proposer is not None else "none",
             "draft_gate_skipped": b.gate.skipped if b.gate is not None else 0,
             "measured_plain_steps": c.measured_plain_steps,
+            # tokens/s the measured gate saw, per running-request count (speculative vs plain steps)
+            "measured_tok_s": {str(rows): rates for rows, rates in b.measured.summary().items()}
+            if b.measured is not None else {},
         }
 
     # ---------------------------------------------------------------- engine thread

@@ -60,7 +60,6 @@ class MeasuredGate:
         self.warmup, self.decay = int(warmup), float(decay)
         self.first_probe, self.max_probe = int(first_probe), int(max_probe)
         self.arms: dict[int, _Arm] = {}
-        self.plain_steps = 0  # steps this gate made plain (warm-up and exploitation alike)
 
     def _arm(self, rows: int) -> _Arm:
         arm = self.arms.get(rows)
@@ -74,7 +73,6 @@ class MeasuredGate:
         if arm.spec.count < self.warmup:
             return True
         if arm.plain.count < self.warmup:
-            self.plain_steps += 1
             return False
         leads = arm.spec.rate >= arm.plain.rate
         arm.since_probe += 1
@@ -83,8 +81,6 @@ class MeasuredGate:
             choice = not leads
         else:
             choice = leads
-        if not choice:
-            self.plain_steps += 1
         return choice
 
     def record(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -101,6 +97,6 @@ class MeasuredGate:
         arm.spec_leads = leads
 
     def summary(self) -> dict[int, dict[str, float]]:
-        """Measured tokens/s per running-request count: what /metrics and the bench report."""
+        """Measured tokens/s per running-request count (the server's /metrics shows it)."""
         return {rows: {"speculative_tok_s": arm.spec.rate, "plain_tok_s": arm.plain.rate}
                 for rows, arm in sorted(self.arms.items())}
