@@ -67,13 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup-threshold", type=float, default=DEFAULT_LOOKUP_THRESHOLD,
                         help="verify a copied draft while its estimated survival is at least this (manifest default)")
     q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
-    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "gguf"),
-                   help="weights of the linear layers: fp32/fp16 (= --dtype), int8/int4 (RTN, weight-only) or gguf "
-                        "(the GGUF target's own Q4_0/Q4_1/Q8_0 blocks, bit for bit)")
+    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "w8a8", "gguf"),
+                   help="weights of the linear layers: fp32/fp16 (= --dtype), int8/int4 (RTN, weight-only), w8a8 "
+                        "(int8 weights and per-token int8 activations in integer MatMuls: verify rows nearly free "
+                        "on CPUs with AMX/VNNI; specrt.export.integer_matmul) or gguf (the GGUF target's own "
+                        "Q4_0/Q4_1/Q8_0 blocks, bit for bit)")
     q.add_argument("--quant-block", type=int, default=32, help="int8/int4: weights per scale block along K")
     q.add_argument("--quant-asymmetric", action="store_true", help="int8/int4: zero points per block (default symmetric)")
     q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
-    q.add_argument("--drafter-weights", default="same", choices=("same", "fp32", "int8", "int4"),
+    q.add_argument("--drafter-weights", default="same", choices=("same", "fp32", "int8", "int4", "w8a8"),
                    help="the drafter's graphs: same as --weights, or their own (e.g. an fp32 target with an int4 "
                         "drafter: drafting gets cheaper, verification stays fp32, so output is unchanged)")
     q.add_argument("--quant-accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
@@ -298,7 +300,7 @@ def export_engine(
                     q = quantize_graph(graph.path, scheme, external_data=graph.data_path is not None,
                                        gguf_blocks=gguf_blocks if scheme is quant else None)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
-                    info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> MatMulNBits, {size / 2**20:.1f} MB"
+                    info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> {q['op']}, {size / 2**20:.1f} MB"
         with stages.stage("tokenizer, manifest, checksums"):
             loaded_target.tokenizer.save(tmp)
             drafter_info = None

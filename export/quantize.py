@@ -28,20 +28,27 @@ import numpy as np
 
 from specrt.export.errors import SpecrtError
 
-WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "w8a8", "gguf")
 
 
 @dataclass
 class QuantOptions:
-    weights: str = "int4"  # int8 | int4 | gguf (the GGUF's own Q4_0/Q4_1/Q8_0 blocks, specrt.export.gguf_quant)
+    # int8 | int4 | gguf (the GGUF's own Q4_0/Q4_1/Q8_0 blocks, specrt.export.gguf_quant) | w8a8 (int8
+    # weights per column and int8 activations per token in integer MatMuls, specrt.export.integer_matmul)
+    weights: str = "int4"
     block_size: int = 32
     symmetric: bool = True
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations x int8-unpacked weights (fastest on CPU)
     lm_head: bool = True
 
     def __post_init__(self) -> None:
-        if self.weights not in ("int8", "int4", "gguf"):
-            raise SpecrtError(f"quantization to {self.weights!r} is not supported", "use --weights int8, int4 or gguf")
+        if self.weights not in ("int8", "int4", "w8a8", "gguf"):
+            raise SpecrtError(f"quantization to {self.weights!r} is not supported",
+                              "use --weights int8, int4, w8a8 or gguf")
+        if self.weights == "w8a8":
+            # one scale per output column, not per block; activations are quantized per token, in the graph
+            self.block_size, self.symmetric, self.accuracy_level = 0, True, 0
+            return
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise SpecrtError(f"--quant-block {self.block_size} is not a power of two >= 16",
                               "use 16, 32, 64 or 128 (32 is the usual choice for int4)")
@@ -50,9 +57,12 @@ class QuantOptions:
 
     @property
     def bits(self) -> int | str:
-        return {"int4": 4, "int8": 8}.get(self.weights, "gguf")
+        return {"int4": 4, "int8": 8, "w8a8": 8}.get(self.weights, "gguf")
 
     def to_dict(self) -> dict:
+        if self.weights == "w8a8":
+            return {**asdict(self), "bits": 8, "activations": "int8 per token", "op": "MatMulInteger",
+                    "quantizer": "specrt.export.integer_matmul (RTN per output column)"}
         quantizer = ("the GGUF's own blocks (specrt.export.gguf_quant)" if self.weights == "gguf"
                      else "onnxruntime.quantization.matmul_nbits_quantizer (RTN)")
         return {**asdict(self), "bits": self.bits, "op": "com.microsoft::MatMulNBits", "quantizer": quantizer}
@@ -143,6 +153,16 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
     model = onnx.load(str(path), load_external_data=True)
     heads = gemm_heads_to_matmul(model) if options.lm_head else 0
     matmuls = sum(1 for n in model.graph.node if n.op_type == "MatMul")
+    if options.weights == "w8a8":
+        from specrt.export.integer_matmul import integer_matmuls
+
+        fold_head_reshapes(model)  # while the head is still a plain MatMul (it takes the 3-D rows as they are)
+        quantized = integer_matmuls(model)
+        drop_unused_initializers(model)
+        if quantized == 0:
+            raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
+        save_onnx(model, path, external_data)
+        return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads, "op": "MatMulInteger"}
     if options.weights == "gguf":
         from specrt.export.gguf_quant import carry_gguf_blocks
 
@@ -161,5 +181,5 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
     if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all
         raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
     save_onnx(model, path, external_data)
-    return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads}
+    return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads, "op": "MatMulNBits"}
 

@@ -213,8 +213,11 @@ def drafter_weights_tag(manifest: dict) -> str:
     """" [drafter int4]" when the drafter's graphs were quantized apart from the target (--drafter-weights)."""
     export = manifest.get("export") or {}
     own = export.get("drafter_weights")
-    if own is None or own.get("bits") == (export.get("weights") or {}).get("bits"):
+    target = export.get("weights") or {}
+    if own is None or (own.get("bits"), own.get("weights")) == (target.get("bits"), target.get("weights")):
         return ""
+    if own.get("weights") == "w8a8":
+        return " [drafter w8a8]"
     return f" [drafter int{own['bits']}]" if own.get("bits") else " [drafter float]"
 
 
@@ -223,6 +226,8 @@ def weights_suffix(manifest: dict) -> str:
     bits = w.get("bits")
     if bits is None:
         return ""
+    if w.get("weights") == "w8a8":
+        return "@w8a8"
     return "@gguf" if bits == "gguf" else f"@int{bits}"
 
 

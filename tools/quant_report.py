@@ -114,6 +114,8 @@ def _weights_label(folder: str) -> str:
     from specrt.export.manifest import load_manifest
 
     w = (load_manifest(folder, verify_checksums=False).data.get("export") or {}).get("weights") or {}
+    if w.get("weights") == "w8a8":
+        return "w8a8 (int8 per column x int8 per token, integer MatMuls)"
     if w.get("bits") == "gguf":
         return f"gguf blocks (accuracy level {w.get('accuracy_level')})"
     if w.get("bits"):

@@ -182,7 +182,10 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     portable = LazyGraph(manifest.graph_path("target"), graphs["target"], options) if fused else graph("target")
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
     weights = (data.get("export") or {}).get("weights") or {}
-    int8_activations = bool(weights.get("bits")) and int(weights.get("accuracy_level", 0)) == 4
+    # int8 activations: MatMulNBits at accuracy level 4, and w8a8's per-token int8 rows
+    # (specrt.export.integer_matmul: its sums are exact, but its rounding amplifies attention's)
+    int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4
+                                                      or weights.get("weights") == "w8a8")
     # two-row decoding is what lets plain decoding reproduce speculative output on such engines, on the
     # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
     # how the context was fed whatever the row count); with no drafter loaded there is nothing to

@@ -1,0 +1,153 @@
+"""--weights w8a8 (specrt.export.integer_matmul): int8 weights x per-token int8 activations in integer
+MatMuls. The rewrite against a numpy reference, the graphs it writes, and lossless speculation:
+linear layers whose rows are independent and whose sums are exact, run with two-row decoding so
+attention sums alike in decode and verify steps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from _onnx_tiny import TARGET_CFG, make_drafters, make_sharp_target, write_hf_target
+from specrt.export.checkpoints.drafters import save_drafter
+from specrt.export.errors import SpecrtError
+from specrt.export.export import main as export_main
+from specrt.export.integer_matmul import integer_matmuls, quantize_columns
+from specrt.export.quantize import QuantOptions
+from specrt.runtime.pipeline import Pipeline
+
+ort = pytest.importorskip("onnxruntime")
+FUSED_CFG = TARGET_CFG.__class__(**{**TARGET_CFG.__dict__, "hidden_size": 64, "head_dim": 16})
+PROMPTS = [[5, 9, 23, 7], [3, 44, 12, 60, 8, 31, 2]]
+
+
+def one_matmul_model(weight: np.ndarray, contrib: bool):
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = weight.shape
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", n])],
+                              [numpy_helper.from_array(weight, "w")])
+    opsets = [helper.make_opsetid("", 20)] + ([helper.make_opsetid("com.microsoft", 1)] if contrib else [])
+    model = helper.make_model(graph, opset_imports=opsets)
+    assert integer_matmuls(model) == 1
+    return model
+
+
+def reference(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The same arithmetic in numpy: per-row scale, round half to even, exact integer sums."""
+    wq, ws = quantize_columns(weight)
+    peak = np.maximum(np.abs(x).max(-1, keepdims=True), np.float32(1e-12))
+    xq = np.rint((x / peak) / np.float32(1 / 127)).astype(np.int64)  # as QuantizeLinear divides
+    return (xq @ wq.astype(np.int64)).astype(np.float32) * (ws / np.float32(127)) * peak
+
+
+@pytest.mark.parametrize("contrib", [True, False])
+def test_the_rewrite_computes_per_token_int8_products(contrib):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((48, 24)).astype(np.float32)
+    model = one_matmul_model(weight, contrib)
+    ops = [n.op_type for n in model.graph.node]
+    assert ("MatMulIntegerToFloat" in ops) == contrib and ("MatMulInteger" in ops) != contrib
+    assert "MatMul" not in ops and "DynamicQuantizeLinear" not in ops  # per-tensor scales would mix rows
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((2, 5, 48)).astype(np.float32) * np.array([1, 30, 0.01, 5, 1], np.float32)[None, :, None]
+    x[1, 2] = 0.0  # an all-zero token: a finite scale, zero output
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, reference(x, weight), rtol=1e-5, atol=1e-5)
+    assert np.all(got[1, 2] == 0)
+    close = np.abs(got - x @ weight).max() / np.abs(x @ weight).max()
+    assert close < 0.03  # int8 x int8 rounding, not a wrong product
+    # a token's output depends on that token alone, bit for bit: alone, or among loud neighbours
+    alone = sess.run(None, {"x": x[:1, 3:4]})[0]
+    assert np.array_equal(alone[0, 0], got[0, 3])
+
+
+def test_quantize_columns_is_symmetric_per_column():
+    w = np.array([[1.0, -0.5], [-2.0, 0.25], [0.5, 0.0]], np.float32)
+    q, s = quantize_columns(w)
+    assert q.dtype == np.int8 and s.shape == (2,)
+    assert q[:, 0].tolist() == [64, -127, 32] and np.isclose(s[0], 2.0 / 127)
+    assert np.abs(q * s - w).max() <= s.max() / 2 + 1e-7
+    assert quantize_columns(np.zeros((3, 1), np.float32))[1][0] == 1.0  # an all-zero column stays zero
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w8a8")
+    target = make_sharp_target(FUSED_CFG)
+    write_hf_target(root / "tiny", target)
+    save_drafter(make_drafters(target)["eagle3"], root / "ckpt", dtype=torch.float32)
+    base = ["--drafter", "eagle3", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt"), "--quiet"]
+    assert export_main(base + ["--out", str(root / "fp32")]) == 0
+    assert export_main(base + ["--out", str(root / "w8a8"), "--weights", "w8a8"]) == 0
+    return root
+
+
+def test_w8a8_engines_hold_integer_matmuls_and_say_so(engines):
+    manifest = json.loads((engines / "w8a8" / "manifest.json").read_text())
+    weights = manifest["export"]["weights"]
+    assert weights["weights"] == "w8a8" and weights["op"] == "MatMulInteger" and weights["bits"] == 8
+    assert weights["activations"] == "int8 per token"
+    for name, op in (("target_ort", "MatMulIntegerToFloat"), ("target", "MatMulInteger"),
+                     ("eagle3_step", "MatMulInteger")):
+        graph = onnx.load(str(engines / "w8a8" / f"{name}.onnx"), load_external_data=False).graph
+        inits = {i.name for i in graph.initializer}
+        ops = [n.op_type for n in graph.node]
+        assert op in ops, name
+        assert not [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits], name
+    # the portable graph stays standard ONNX (no com.microsoft op): it must run anywhere ONNX runs
+    portable = onnx.load(str(engines / "w8a8" / "target.onnx"), load_external_data=False)
+    assert all(n.domain != "com.microsoft" for n in portable.graph.node)
+    from specrt.tools.bench import weights_suffix
+
+    assert weights_suffix(manifest) == "@w8a8"
+
+
+def last_logits(model, ids: list[int], step: int) -> torch.Tensor:
+    """Logits of the last token after feeding `ids` (a 4-token prompt, then `step` tokens per call)."""
+    k, v = model.new_cache(1, 32)
+    pos, out = 0, None
+    while pos < len(ids):
+        t = 4 if pos == 0 else min(step, len(ids) - pos)
+        x, p = torch.tensor([ids[pos:pos + t]]), torch.arange(pos, pos + t)[None]
+        mask = torch.ones(1, t, pos + t, dtype=torch.bool)
+        mask[0, :, pos:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        out, _ = model(x, p, mask, k, v, p, torch.tensor([[t - 1]]))
+        pos += t
+    return out[0, 0]
+
+
+def test_w8a8_engines_decode_bitwise_like_verify_steps(engines):
+    """Per-token int8 rounding amplifies attention's float differences between one-row and multi-row
+    calls (SmolLM2: 2/24 MT-bench outputs identical over 128 tokens without care, 24/24 with), so
+    these engines get the int8-activation treatment: two-row decoding and chains."""
+    pipe = Pipeline.from_engines(engines / "w8a8", threads=1)
+    model = pipe.model
+    assert model.fused is not None and model.two_row_decode and pipe.proposer.top_k == 1
+    assert not Pipeline.from_engines(engines / "w8a8", threads=1, drafter="none").model.two_row_decode
+    ids = [5, 9, 23, 7, 11, 40, 2, 18, 33, 61]
+    one, many = last_logits(model, ids, 1), last_logits(model, ids, 100)
+    assert torch.equal(one, many)
+    fp32 = Pipeline.from_engines(engines / "fp32", threads=1).model
+    assert float(torch.nn.functional.cosine_similarity(one, last_logits(fp32, ids, 1), dim=0)) > 0.99
+
+
+def test_speculation_on_w8a8_is_lossless_against_its_own_plain_decoding(engines):
+    pipe = Pipeline.from_engines(engines / "w8a8", threads=1)
+    for prompt in PROMPTS:
+        assert pipe.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24, speculative=False).tokens
+    lookup = Pipeline.from_engines(engines / "w8a8", threads=1, drafter="lookup")
+    assert lookup.generate_ids(PROMPTS[:1], 24).tokens == pipe.generate_ids(PROMPTS[:1], 24, speculative=False).tokens
+
+
+def test_w8a8_options_are_checked():
+    opts = QuantOptions("w8a8", block_size=24, accuracy_level=4)  # block and level do not apply: reset
+    assert (opts.block_size, opts.accuracy_level, opts.bits) == (0, 0, 8)
+    with pytest.raises(SpecrtError, match="w8a8"):
+        QuantOptions("int2")
