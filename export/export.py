@@ -380,7 +380,7 @@ def _rtn_options(args: argparse.Namespace, weights: str, flag: str):
     """QuantOptions for `weights` (int8/int4/gguf) with the shared --quant-* flags; fp32 graphs only."""
     if args.dtype not in ("fp32", "float32"):
         raise SpecrtError(f"{flag} {weights} quantizes fp32 graphs, not --dtype {args.dtype}",
-                          "drop --dtype (int8/int4 weights keep fp32 activations)")
+                          "drop --dtype (quantized weights run with fp32 activations and norms)")
     from specrt.export.quantize import QuantOptions
 
     return QuantOptions(weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
