@@ -93,3 +93,18 @@ def write_hf_target(folder: Path, model: LlamaModel) -> Path:
         "bos_token": "<s>",
     }))
     return folder
+
+
+def last_logits(model, ids: list[int], step: int) -> torch.Tensor:
+    """An ORT target model's logits for the last of `ids` (a 4-token prompt, then `step` tokens per
+    call): step 1 is decoding, a large step one verify call; exact engines give equal tensors."""
+    k, v = model.new_cache(1, 32)
+    pos, out = 0, None
+    while pos < len(ids):
+        t = 4 if pos == 0 else min(step, len(ids) - pos)
+        x, p = torch.tensor([ids[pos:pos + t]]), torch.arange(pos, pos + t)[None]
+        mask = torch.ones(1, t, pos + t, dtype=torch.bool)
+        mask[0, :, pos:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        out, _ = model(x, p, mask, k, v, p, torch.tensor([[t - 1]]))
+        pos += t
+    return out[0, 0]

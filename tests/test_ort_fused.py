@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from _onnx_tiny import TARGET_CFG, make_drafters, make_sharp_target, make_target, write_hf_target
+from _onnx_tiny import TARGET_CFG, last_logits, make_drafters, make_sharp_target, make_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.errors import SpecrtError
 from specrt.export.export import main as export_main
@@ -220,19 +220,7 @@ def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders
     # logits of the last token: T=1 steps after a prompt == one multi-row call over the same tokens
     ids = [5, 9, 23, 7, 11, 40, 2, 18, 33, 61]
 
-    def last_logits(step: int) -> torch.Tensor:
-        k, v = model.new_cache(1, 32)
-        pos, out = 0, None
-        while pos < len(ids):
-            t = 4 if pos == 0 else min(step, len(ids) - pos)
-            x, p = torch.tensor([ids[pos:pos + t]]), torch.arange(pos, pos + t)[None]
-            mask = torch.ones(1, t, pos + t, dtype=torch.bool)
-            mask[0, :, pos:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
-            out, _ = model(x, p, mask, k, v, p, torch.tensor([[t - 1]]))
-            pos += t
-        return out[0, 0]
-
-    assert torch.equal(last_logits(1), last_logits(100))
+    assert torch.equal(last_logits(model, ids, 1), last_logits(model, ids, 100))
     for prompt in PROMPTS:
         assert pipe.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24, speculative=False).tokens
 

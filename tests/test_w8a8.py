@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from _onnx_tiny import TARGET_CFG, make_drafters, make_sharp_target, write_hf_target
+from _onnx_tiny import TARGET_CFG, last_logits, make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.errors import SpecrtError
 from specrt.export.export import main as export_main
@@ -107,20 +107,6 @@ def test_w8a8_engines_hold_integer_matmuls_and_say_so(engines):
     from specrt.tools.bench import weights_suffix
 
     assert weights_suffix(manifest) == "@w8a8"
-
-
-def last_logits(model, ids: list[int], step: int) -> torch.Tensor:
-    """Logits of the last token after feeding `ids` (a 4-token prompt, then `step` tokens per call)."""
-    k, v = model.new_cache(1, 32)
-    pos, out = 0, None
-    while pos < len(ids):
-        t = 4 if pos == 0 else min(step, len(ids) - pos)
-        x, p = torch.tensor([ids[pos:pos + t]]), torch.arange(pos, pos + t)[None]
-        mask = torch.ones(1, t, pos + t, dtype=torch.bool)
-        mask[0, :, pos:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
-        out, _ = model(x, p, mask, k, v, p, torch.tensor([[t - 1]]))
-        pos += t
-    return out[0, 0]
 
 
 def test_w8a8_engines_decode_bitwise_like_verify_steps(engines):
