@@ -61,7 +61,7 @@ class QuantOptions:
 
     def to_dict(self) -> dict:
         if self.weights == "w8a8":
-            return {**asdict(self), "bits": 8, "activations": "int8 per token", "op": "MatMulInteger",
+            return {**asdict(self), "bits": self.bits, "activations": "int8 per token", "op": "MatMulInteger",
                     "quantizer": "specrt.export.integer_matmul (RTN per output column)"}
         quantizer = ("the GGUF's own blocks (specrt.export.gguf_quant)" if self.weights == "gguf"
                      else "onnxruntime.quantization.matmul_nbits_quantizer (RTN)")
@@ -157,29 +157,25 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
         from specrt.export.integer_matmul import integer_matmuls
 
         fold_head_reshapes(model)  # while the head is still a plain MatMul (it takes the 3-D rows as they are)
-        quantized = integer_matmuls(model)
-        drop_unused_initializers(model)
-        if quantized == 0:
-            raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
-        save_onnx(model, path, external_data)
-        return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads, "op": "MatMulInteger"}
-    if options.weights == "gguf":
-        from specrt.export.gguf_quant import carry_gguf_blocks
-
-        model = carry_gguf_blocks(model, gguf_blocks or {}, options.accuracy_level)["model"]
+        quantized, op = integer_matmuls(model), "MatMulInteger"
     else:
-        config = DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
-                                              accuracy_level=options.accuracy_level, bits=options.bits)
-        quantizer = MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
-                                         is_symmetric=options.symmetric, accuracy_level=options.accuracy_level,
-                                         algo_config=config)
-        quantizer.process()
-        model = quantizer.model.model
-    fold_head_reshapes(model)  # the fused graph's head is a MatMulNBits now
+        if options.weights == "gguf":
+            from specrt.export.gguf_quant import carry_gguf_blocks
+
+            model = carry_gguf_blocks(model, gguf_blocks or {}, options.accuracy_level)["model"]
+        else:
+            config = DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
+                                                  accuracy_level=options.accuracy_level, bits=options.bits)
+            quantizer = MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
+                                             is_symmetric=options.symmetric, accuracy_level=options.accuracy_level,
+                                             algo_config=config)
+            quantizer.process()
+            model = quantizer.model.model
+        fold_head_reshapes(model)  # the fused graph's head is a MatMulNBits now
+        quantized, op = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits"), "MatMulNBits"
     drop_unused_initializers(model)
-    quantized = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
     if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all
         raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
     save_onnx(model, path, external_data)
-    return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads, "op": "MatMulNBits"}
+    return {"matmuls": matmuls, "quantized": quantized, "lm_heads": heads, "op": op}
 

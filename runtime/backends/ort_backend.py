@@ -184,8 +184,8 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     weights = (data.get("export") or {}).get("weights") or {}
     # int8 activations: MatMulNBits at accuracy level 4, and w8a8's per-token int8 rows
     # (specrt.export.integer_matmul: its sums are exact, but its rounding amplifies attention's)
-    int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4
-                                                      or weights.get("weights") == "w8a8")
+    w8a8 = weights.get("weights") == "w8a8"
+    int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4 or w8a8)
     # two-row decoding is what lets plain decoding reproduce speculative output on such engines, on the
     # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
     # how the context was fed whatever the row count); with no drafter loaded there is nothing to
@@ -194,8 +194,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     # w8a8 decodes two rows always: its second row costs ~nothing (measured plain 99.0 tok/s two-row vs 97.5
     # one-row, 80 prompts), and then every way of running the folder gives the same text (one-row plain
     # decoding differed from speculative output on 77/80 MT-bench prompts within 128 tokens)
-    always = weights.get("weights") == "w8a8"
-    target.two_row_decode = int8_activations and (drafting or lookup_only or always) and fused is not None
+    target.two_row_decode = int8_activations and (drafting or lookup_only or w8a8) and fused is not None
     drafter, kind = None, manifest.drafter_kind
     if drafting:
         section = data["drafter"]
