@@ -122,8 +122,13 @@ def lookup_settings(pipe) -> dict:
     return {"max_tokens": lookup.max_tokens, "min_match": lookup.min_match, "max_match": lookup.max_match}
 
 
-def generate_responses(pipe, count: int, max_new_tokens: int = 256):
-    """(prompt, plain greedy response) for `count` ShareGPT first turns; None without the data wheel."""
+def generate_responses(pipe, count: int, max_new_tokens: int = 256, max_prompt_tokens: int = 256):
+    """(prompt, plain greedy response) for `count` ShareGPT first turns; None without the data wheel,
+    or when no prompt fits the target's positions.
+
+    Prompt and response share the target's positions (max_position_embeddings): the response gets at
+    most half of them, and only prompts that leave it that much room are used, so a short-context
+    target is calibrated on shorter text instead of refusing the request."""
     import random
 
     from specrt.export.errors import SpecrtError
@@ -136,9 +141,16 @@ def generate_responses(pipe, count: int, max_new_tokens: int = 256):
         print(f"lookup: no data set fits this target and {e.problem}; skipped lookup.json ({e.fix})", file=sys.stderr)
         return None
     random.Random(0).shuffle(turns)
-    prompts = [ids for ids in (pipe.tokenizer.encode_chat(text) for _, text in turns) if len(ids) <= 256][:count]
+    positions = int(pipe.config.max_position_embeddings)
+    new_tokens = min(max_new_tokens, positions // 2)
+    longest = min(max_prompt_tokens, positions - new_tokens)
+    prompts = [ids for ids in (pipe.tokenizer.encode_chat(text) for _, text in turns) if len(ids) <= longest][:count]
+    if not prompts:
+        print(f"lookup: no ShareGPT prompt fits {longest} tokens (the target has {positions} positions); "
+              "skipped lookup.json (pass --lookup-data with a data set built for this target)", file=sys.stderr)
+        return None
     pairs = []
     for prompt in tqdm(prompts, desc="lookup: plain greedy responses", unit="prompt", file=sys.stderr):
-        result = pipe.generate_ids([prompt], max_new_tokens, speculative=False)
+        result = pipe.generate_ids([prompt], new_tokens, speculative=False)
         pairs.append((prompt, result.tokens[0]))
     return pairs

@@ -74,6 +74,26 @@ def test_calibrate_writes_sps_next_to_the_manifest(folders, kind):
     load_manifest(folders[kind], verify_checksums=True)  # the manifest's checksums still hold
 
 
+def test_calibration_responses_fit_a_short_context_target(folders, monkeypatch, capsys):
+    """calibrate's fallback (plain greedy responses to ShareGPT prompts) sizes prompts and responses
+    to the target's positions (the tiny target has 128) instead of asking for more than it has."""
+    import specrt.tools.datasets as datasets
+    from specrt.runtime.cli_calibrate import generate_responses
+
+    pipe = Pipeline.from_engines(folders["dspark"], drafter="none")
+    positions = pipe.config.max_position_embeddings
+    short = [(str(i), "tell me about the sky " * (i + 1)) for i in range(6)]
+    long = [("long", "a very long question " * 200)]
+    monkeypatch.setattr(datasets, "sharegpt_first_turns", lambda: long + short)
+    pairs = generate_responses(pipe, 4)
+    assert len(pairs) == 4
+    for prompt, response in pairs:
+        assert len(prompt) <= positions // 2 and 0 < len(response) <= positions // 2
+    monkeypatch.setattr(datasets, "sharegpt_first_turns", lambda: long)
+    assert generate_responses(pipe, 4) is None
+    assert "no ShareGPT prompt fits" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "confidence"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_ort_batched_greedy_equals_alone(folders, alone, kind, schedule):
