@@ -22,9 +22,10 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specrt.runtime.cli_serve import add_model_arguments
+    from specrt.runtime.cli_serve import add_model_arguments, add_shared_batches_argument
 
     add_model_arguments(p)
+    add_shared_batches_argument(p)  # profile the batch mode the server will run
     p.add_argument("--slots", type=int, default=8, help="KV rows, as `specrt serve --slots` (default 8)")
     p.add_argument("--context", type=int, default=128, help="tokens already in each row while timing (default 128)")
     p.add_argument("--max-tokens", type=int, default=None,

@@ -26,7 +26,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     shared(p, backends=("auto", "ort", "torch"))
 
 
+def add_shared_batches_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shared-batches", action="store_true",
+                   help="int4/int8/w8a8 engines: run batches through the portable batched graph (one call for "
+                        "all requests: more throughput at several requests) instead of one fused call per "
+                        "request; a request's text can then differ from its text alone (README, Serving)")
+
+
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    add_shared_batches_argument(p)
     p.add_argument("--slots", type=int, default=8, help="KV rows: requests decoded together (default 8)")
     p.add_argument("--capacity", type=int, default=1024, help="KV slots per row: prompt + completion (default 1024)")
     p.add_argument("--schedule", default="confidence", choices=["fixed", "confidence"],

@@ -135,6 +135,60 @@ def test_speculation_on_w8a8_is_lossless_against_its_own_plain_decoding(engines)
     assert lookup.generate_ids(PROMPTS[:1], 24).tokens == pipe.generate_ids(PROMPTS[:1], 24, speculative=False).tokens
 
 
+def test_w8a8_batches_compute_each_row_bitwise_as_alone(engines):
+    """Batched calls of int8-activation engines run one fused call per row on its own real tokens, so a
+    row's logits in a batch (padding and other rows beside it) equal its logits alone, bitwise; on the
+    portable batched graph they differed, and int8 rounding turned that into other text (serving)."""
+    from specrt.runtime.backends.ort_backend import OrtTargetEngine
+    from specrt.runtime.engine import causal_mask
+
+    pipe = Pipeline.from_engines(engines / "w8a8", threads=1, drafter="none")
+    model = pipe.model
+    assert model.per_row_batches
+    steps = [PROMPTS, [[1, 2, 3], [4, 5]]]  # a prefill of unequal prompts, then unequal new tokens
+
+    def run(rows: list[int]) -> list[torch.Tensor]:
+        engine = OrtTargetEngine(model, 32, len(rows))
+        out = []
+        for step in steps:
+            toks = [step[r] for r in rows]
+            t = max(map(len, toks))
+            ids = torch.tensor([x + [0] * (t - len(x)) for x in toks])
+            positions = engine.lengths[:, None] + torch.arange(t)[None, :]
+            logits, _ = engine.forward(ids, positions, causal_mask(len(rows), t, [len(x) for x in toks]))
+            for b, x in enumerate(toks):
+                engine.commit(b, range(len(x)))
+                out.append(logits[b, :len(x)])
+        return out
+
+    batched = run([0, 1])
+    alone = [run([r]) for r in (0, 1)]
+    for r in (0, 1):
+        assert torch.equal(batched[r], alone[r][0]) and torch.equal(batched[2 + r], alone[r][1])
+    # --shared-batches: one portable call for the batch, whose rounding differs from the fused calls'
+    from specrt.runtime.serving.loading import set_batch_mode
+
+    set_batch_mode(pipe, shared=True)
+    assert not model.per_row_batches
+    shared = run([0, 1])
+    assert not all(torch.equal(shared[i], alone[i % 2][i // 2]) for i in range(4))
+
+
+def test_w8a8_serving_batches_give_each_request_its_text_alone(engines):
+    from specrt.runtime.serving.batcher import Batcher, Request
+
+    pipe = Pipeline.from_engines(engines / "w8a8", threads=1)
+    prompts, max_new = PROMPTS + [[17], [40, 41, 42]], [20, 12, 16, 9]
+    alone = [pipe.generate_ids([p], n).tokens[0] for p, n in zip(prompts, max_new)]
+    batcher = Batcher(pipe.engine_for(64, 3), pipe.proposer, "fixed", None, pipe.config.eos_token_ids)
+    requests = [Request(p, n) for p, n in zip(prompts, max_new)]
+    for req in requests:
+        batcher.add(req)
+    batcher.run_until_done()
+    assert [r.tokens for r in requests] == alone
+    assert batcher.counters.draft_steps > 0 and batcher.free_rows == 3
+
+
 def test_w8a8_options_are_checked():
     opts = QuantOptions("w8a8", block_size=24, accuracy_level=4)  # block and level do not apply: reset
     assert (opts.block_size, opts.accuracy_level, opts.bits) == (0, 0, 8)

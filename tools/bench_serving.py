@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of plain, fixed, scheduled")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (spread reported)")
+    from specrt.runtime.cli_serve import add_shared_batches_argument
+
+    add_shared_batches_argument(p)
     p.add_argument("--sps", help="SPS table for the scheduled mode (default: each folder's sps.json / a quick profile)")
     p.add_argument("--out", type=Path, default=Path("docs/serving"))
     p.add_argument("--seed", type=int, default=0)
@@ -129,6 +132,10 @@ def build(args: argparse.Namespace):
         drafted["lookup"] = Pipeline.from_engines(folders[0], args.device, args.threads, drafter="lookup",
                                                   draft_options=lookup_options(args, folders[0]))
         where["lookup"] = folders[0]
+    from specrt.runtime.serving.loading import set_batch_mode
+
+    for pipe in [plain, *drafted.values()]:
+        set_batch_mode(pipe, args.shared_batches)
     return plain, drafted, "ort", where
 
 

@@ -195,6 +195,9 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     # one-row, 80 prompts), and then every way of running the folder gives the same text (one-row plain
     # decoding differed from speculative output on 77/80 MT-bench prompts within 128 tokens)
     target.two_row_decode = int8_activations and (drafting or lookup_only or w8a8) and fused is not None
+    # batches of such engines on the portable graph change a request's text against its text alone
+    # (docs/numbers.md, sessions 14 and 16): one fused call per row keeps it (OrtTargetModel)
+    target.per_row_batches = int8_activations and fused is not None
     drafter, kind = None, manifest.drafter_kind
     if drafting:
         section = data["drafter"]

@@ -78,6 +78,12 @@ class OrtTargetModel:
     buffers in place, the tree mask travels as an additive bias. Batches run the portable graph.
     Both graphs compute the same function; their float rounding differs, so a request gives the
     same greedy text alone and in a batch except at near-ties (as with any kernel change).
+
+    `per_row_batches` (int8-activation engines): there the rounding differences are not rare near-ties
+    but change the text within a few dozen tokens (int8 activation rounding amplifies them), so a
+    batch runs as one fused call per row, each on its own cache row with its real tokens only (padding
+    dropped): a request then computes exactly what it computes alone, which is what makes batched
+    greedy output equal its output alone there. It costs the batched graph's shared weight reads.
     """
 
     def __init__(self, graph, config: LlamaConfig, tap_layers: Sequence[int], cache_dtype: torch.dtype,
@@ -90,7 +96,8 @@ class OrtTargetModel:
         self.device = graph.device
         self.dtype = cache_dtype
         self.fused_calls = 0  # how many forwards took the fused graph (tests, diagnostics)
-        self._views = None  # (cache key, past_* feeds, present_* buffers): see _cache_views
+        self._views: dict[tuple, tuple[dict, dict]] = {}  # cache key -> (past_* feeds, present_* buffers)
+        self.per_row_batches = False  # batches as one fused call per row (class docstring)
         # one-row calls run as two rows (see with_copy_row): on for int8-activation engines, where it is
         # what makes speculative output equal plain output; fp32 engines agree without it (measured)
         self.two_row_decode = False
@@ -114,6 +121,8 @@ class OrtTargetModel:
         b, t = input_ids.shape
         if logit_rows is None:
             logit_rows = torch.arange(t).expand(b, t)
+        if b > 1 and self.per_row_batches and self.fused is not None:
+            return self._call_per_row(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows)
         copy_row = self.two_row_decode and b == 1 and t == 1 and attn_mask.shape[-1] < k_cache.shape[-2]
         if copy_row:
             input_ids, position_ids, attn_mask, write_slots = with_copy_row(input_ids, position_ids, attn_mask,
@@ -131,11 +140,43 @@ class OrtTargetModel:
         """past_* feeds and present_* output buffers of these caches, built once per cache (every step of
         an engine passes the same buffers) rather than 4 x layers tensor views per call."""
         key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape))
-        if self._views is None or self._views[0] != key:
+        views = self._views.get(key)
+        if views is None:
+            # views of one cache only (its row slices included): the views keep a dropped cache alive
+            base = k_cache.untyped_storage().data_ptr()
+            if any(k.untyped_storage().data_ptr() != base for k in self._cache_bases()):
+                self._views.clear()
+                if hasattr(self.fused, "drop_bindings"):  # its per-row bindings hold the old cache too
+                    self.fused.drop_bindings()
             feeds = cache_feeds(k_cache, v_cache)
             bound = {name.replace("past_", "present_", 1): view for name, view in feeds.items()}
-            self._views = (key, feeds, bound)
-        return self._views[1], self._views[2]
+            views = self._views[key] = (feeds, bound)
+        return views
+
+    def _cache_bases(self):
+        return [feeds["past_key_0"] for feeds, _ in self._views.values()]
+
+    def _call_per_row(self, input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows):
+        """A batch as one call per row (`per_row_batches`). A row's real tokens are its first one and
+        every later one that sees it (drafts see their anchor, prompt tokens the first; padding sees
+        only itself), a prefix of the row; padding rows get zero logits and taps, which nobody reads."""
+        b, t = input_ids.shape
+        first = write_slots[:, 0].to(attn_mask.device)
+        sees_first = attn_mask.gather(2, first.view(b, 1, 1).expand(b, t, 1))[..., 0]
+        counts = (1 + sees_first[:, 1:].sum(1)).tolist()
+        logits_out, taps_out = None, None
+        for r, n in enumerate(counts):
+            window = int(first[r]) + n
+            logits, taps = self(input_ids[r:r + 1, :n], position_ids[r:r + 1, :n], attn_mask[r:r + 1, :n, :window],
+                                k_cache[:, r:r + 1], v_cache[:, r:r + 1], write_slots[r:r + 1, :n],
+                                logit_rows[r:r + 1].clamp(max=n - 1))
+            if logits_out is None:
+                logits_out = logits.new_zeros((b,) + tuple(logits.shape[1:]))
+                taps_out = None if taps is None else taps.new_zeros((b, t) + tuple(taps.shape[2:]))
+            logits_out[r] = logits[0]
+            if taps_out is not None:
+                taps_out[r, :n] = taps[0]
+        return logits_out, taps_out
 
     def _call_portable(self, input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows):
         past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
@@ -166,7 +207,8 @@ class OrtTargetModel:
                  **caches}
         # present_* share the cache's memory: the graph writes the t new rows at slots total-t .. total-1
         wanted = ["logits", "taps"] if self.tap_layers else ["logits"]
-        out = self.fused.run(feeds, wanted, present)
+        # one IO binding per cache row: rows of a batch (`per_row_batches`) take turns without re-binding
+        out = self.fused.run(feeds, wanted, present, binding=k_cache.data_ptr())
         self.fused_calls += 1
         return out["logits"], out.get("taps") if self.tap_layers else None
 

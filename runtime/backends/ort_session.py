@@ -118,8 +118,8 @@ class OrtGraph:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._in_shapes = {i["name"]: i["shape"] for i in spec.get("inputs", [])}
         self._out_specs = {o["name"]: o for o in spec.get("outputs", [])}
-        self._binding = None  # created on the first run, then reused (see run)
-        self._last: dict = {}
+        # one IO binding per `binding` key of run(), created on first use and reused (see run)
+        self._bindings: dict = {}
         self._device_type = "cpu" if self.device.type == "cpu" else "cuda"
         self._device_id = 0 if self.device.index is None else int(self.device.index)
 
@@ -142,29 +142,35 @@ class OrtGraph:
                 return None
         return torch.empty(shape, dtype=_TORCH_DTYPES[spec["dtype"]], device=self.device)
 
+    def drop_bindings(self) -> None:
+        """Forget every IO binding (and the buffers they hold alive), e.g. once a cache is replaced."""
+        self._bindings.clear()
+
     def run(self, feeds: dict[str, torch.Tensor], outputs: list[str] | None = None,
-            bound: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+            bound: dict[str, torch.Tensor] | None = None, binding: object = None) -> dict[str, torch.Tensor]:
         """Run the graph; `outputs` limits what is returned (the rest is still computed by ORT);
-        `bound` gives outputs their memory (e.g. present_key_i bound to the cache it updates in place)."""
-        # one binding per graph, reused: a name is re-bound only when its pointer, shape or dtype
+        `bound` gives outputs their memory (e.g. present_key_i bound to the cache it updates in place);
+        `binding` names the IO binding to use: callers that alternate between buffers (one per cache
+        row, say) keep one binding each, so none of them re-binds its buffers every call."""
+        # one binding per key, reused: a name is re-bound only when its pointer, shape or dtype
         # changed, so the per-layer cache buffers (the same memory every step) cost nothing per call
-        if self._binding is None:
-            self._binding = self.session.io_binding()
-            self._last = {}
-            # name -> the tensor object bound last call, when it was bound as given. Handed the same
-            # object again, run() skips it: ~60 cache views per target call (measured: 0.77 -> 0.69 ms
-            # of Python per int4 decode step).
+        state = self._bindings.get(binding)
+        if state is None:
+            if len(self._bindings) >= 64:  # keys of caches since dropped: they hold their memory alive
+                self._bindings.clear()
+            # last: name -> (pointer, shape, dtype) bound. same: name -> the tensor object bound last
+            # call, when it was bound as given; handed the same object again, run() skips it: ~60 cache
+            # views per target call (measured: 0.77 -> 0.69 ms of Python per int4 decode step).
             # Holding the reference keeps its memory alive; nothing in specrt resizes a tensor in place.
-            self._same: dict = {}
-            self._feed_dims: dict[str, tuple] = {}
-        binding, last, same = self._binding, self._last, self._same
+            state = self._bindings[binding] = (self.session.io_binding(), {}, {}, {})
+        binding, last, same, feed_dims = state
         keep = []  # contiguous copies must outlive the run
         dims: dict[str, int] = {}
         for name in self.input_names:
             tensor = feeds[name]
             if same.get(name) is tensor:
                 # the very tensor bound last call (the per-layer cache views): nothing to check or bind
-                for declared, actual in self._feed_dims[name]:
+                for declared, actual in feed_dims[name]:
                     dims.setdefault(declared, actual)
                 continue
             original = tensor
@@ -183,7 +189,7 @@ class OrtGraph:
                 dims.setdefault(declared, actual)
             if tensor is original:
                 # bound as it is: next call may skip it if handed the same object (see _same)
-                same[name], self._feed_dims[name] = tensor, named
+                same[name], feed_dims[name] = tensor, named
             else:
                 same.pop(name, None)
         results: dict[str, torch.Tensor] = {}
@@ -242,7 +248,7 @@ class LazyGraph:
         return self._graph is not None
 
     def run(self, feeds: dict[str, torch.Tensor], outputs: list[str] | None = None,
-            bound: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+            bound: dict[str, torch.Tensor] | None = None, binding: object = None) -> dict[str, torch.Tensor]:
         if self._graph is None:
             self._graph = OrtGraph(self.path, self.spec, self.options)
-        return self._graph.run(feeds, outputs, bound)
+        return self._graph.run(feeds, outputs, bound, binding)

@@ -21,10 +21,18 @@ def load_pipeline(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = build_pipeline(args, explicit_draft_options(args))
+    set_batch_mode(pipe, getattr(args, "shared_batches", False))
     if pipe.host_threads is not None:
         # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)
         torch.set_num_threads(pipe.host_threads)
     return pipe
+
+
+def set_batch_mode(pipe, shared: bool) -> None:
+    """--shared-batches: batches of an int8-activation ORT engine through the portable batched graph
+    (`OrtTargetModel.per_row_batches` off) - faster at several requests, not batch-invariant."""
+    if shared and getattr(pipe.model, "per_row_batches", False):
+        pipe.model.per_row_batches = False
 
 
 def make_engine(pipe, slots: int, capacity: int):
