@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip target_ort, the ONNX Runtime contrib-op target graph (specrt.export.ort_fused) "
                              "that runs single streams ~1.5-2x faster on ORT's CPU provider; the portable graph "
                              "(any ONNX runtime, TensorRT) is always written")
+    parser.add_argument("--no-lookup-files", action="store_true",
+                        help="skip lookup.json and datastore.npz (copy hit rates and the 16 MB store of the target's "
+                             "own answers, written for a target whose data specrt ships): copies then start from a "
+                             "flat prior and come from the request's own text only")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -195,6 +199,7 @@ def export_engine(
     drafter_quant="same",
     ort_fused: bool = True,
     lookup: dict | None = None,
+    lookup_files: bool = True,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
     import torch
@@ -342,7 +347,8 @@ def export_engine(
             )
             mf.write_manifest(tmp, manifest)
             mf.load_manifest(tmp)  # the folder must pass the runtime's own checks before it goes live
-        _write_lookup_files(stages, tmp, loaded_target.name)
+        if lookup_files:
+            _write_lookup_files(stages, tmp, loaded_target.name)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -421,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
         tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
         threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
         drafter_quant=drafter_quant, ort_fused=not args.no_ort_fused, lookup=lookup_defaults(args),
+        lookup_files=not args.no_lookup_files,
     )
     return 0
 
