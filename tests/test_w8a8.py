@@ -181,6 +181,7 @@ def test_w8a8_serving_batches_give_each_request_its_text_alone(engines):
     prompts, max_new = PROMPTS + [[17], [40, 41, 42]], [20, 12, 16, 9]
     alone = [pipe.generate_ids([p], n).tokens[0] for p, n in zip(prompts, max_new)]
     batcher = Batcher(pipe.engine_for(64, 3), pipe.proposer, "fixed", None, pipe.config.eos_token_ids)
+    assert batcher.cost == "packed"  # one call per row on its real tokens: no padding to charge
     requests = [Request(p, n) for p, n in zip(prompts, max_new)]
     for req in requests:
         batcher.add(req)

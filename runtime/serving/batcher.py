@@ -131,7 +131,7 @@ class Batcher:
     """Continuous batching over one engine (module docstring)."""
 
     def __init__(self, engine, proposer=None, schedule: str = "fixed", sps=None, eos_token_ids=(),
-                 cost: str = "padded", draft_gate: bool = True, draft_seed: int = 0,
+                 cost: str | None = None, draft_gate: bool = True, draft_seed: int = 0,
                  seeded_sampling: str = "noise", measured_gate: bool = True) -> None:
         if schedule not in SCHEDULES:
             raise SpecrtError(f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
@@ -142,6 +142,12 @@ class Batcher:
             raise SpecrtError(f"unknown seeded_sampling {seeded_sampling!r}", f"use one of {', '.join(SEEDED_SAMPLING)}")
         self.seed_noise = seeded_sampling == "noise"
         self.engine, self.proposer = engine, proposer
+        if cost is None:
+            # a step's cost model (`policy`): rows padded to the longest, unless the engine runs each row
+            # as its own call on its real tokens (`OrtTargetModel.per_row_batches`): then the paper's
+            # packed count of verify tokens is what a step costs
+            per_row = getattr(getattr(engine, "model", None), "per_row_batches", False)
+            cost = "packed" if per_row else "padded"
         self.schedule, self.sps, self.cost = schedule, sps, cost
         self.slots = int(engine.batch_size)
         self.capacity = int(engine.capacity)

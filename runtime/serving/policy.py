@@ -20,7 +20,8 @@ per row computes R * (1 + l) token positions. `cost="padded"` (the default) char
 candidates are still admitted in Algorithm 1's order with its early stop (so the losslessness
 argument of `specrt.runtime.scheduler` holds unchanged: a decision depends only on candidates sorted
 before it), but B is R_step * (1 + longest admitted). `cost="packed"` is the paper's B = R + sum l
-and delegates to `specrt.runtime.scheduler.schedule`.
+and delegates to `specrt.runtime.scheduler.schedule`; the batcher takes it for engines that run each
+row of a batch as its own call on its real tokens (int8-activation ORT engines: no padding to pay).
 
 Draft gate. Algorithm 1 decides after the drafts exist; their cost is sunk. When the drafter keeps
 losing (its predicted tokens per second, drafting time included, below plain decoding's), `DraftGate`
