@@ -97,6 +97,7 @@ class OrtTargetModel:
         self.dtype = cache_dtype
         self.fused_calls = 0  # how many forwards took the fused graph (tests, diagnostics)
         self._views: dict[tuple, tuple[dict, dict]] = {}  # cache key -> (past_* feeds, present_* buffers)
+        self._views_of = None  # storage pointer of the one cache _views (and the fused graph's bindings) belong to
         self.per_row_batches = False  # batches as one fused call per row (class docstring)
         # one-row calls run as two rows (see with_copy_row): on for int8-activation engines, where it is
         # what makes speculative output equal plain output; fp32 engines agree without it (measured)
@@ -144,17 +145,15 @@ class OrtTargetModel:
         if views is None:
             # views of one cache only (its row slices included): the views keep a dropped cache alive
             base = k_cache.untyped_storage().data_ptr()
-            if any(k.untyped_storage().data_ptr() != base for k in self._cache_bases()):
+            if base != self._views_of:
                 self._views.clear()
-                if hasattr(self.fused, "drop_bindings"):  # its per-row bindings hold the old cache too
+                self._views_of = base
+                if self.fused is not None:  # its per-row bindings hold the old cache too
                     self.fused.drop_bindings()
             feeds = cache_feeds(k_cache, v_cache)
             bound = {name.replace("past_", "present_", 1): view for name, view in feeds.items()}
             views = self._views[key] = (feeds, bound)
         return views
-
-    def _cache_bases(self):
-        return [feeds["past_key_0"] for feeds, _ in self._views.values()]
 
     def _call_per_row(self, input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows):
         """A batch as one call per row (`per_row_batches`). A row's real tokens are its first one and
