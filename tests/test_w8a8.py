@@ -190,6 +190,30 @@ def test_w8a8_serving_batches_give_each_request_its_text_alone(engines):
     assert batcher.counters.draft_steps > 0 and batcher.free_rows == 3
 
 
+def test_w8a8_serving_skips_idle_rows_inside_the_batch(engines):
+    """On a per-row engine a row left idle below a running one costs no call: after the two lower
+    requests finish, each step of the last one is exactly one fused call, and its text is its text alone."""
+    from specrt.runtime.serving.batcher import Batcher, Request
+
+    pipe = Pipeline.from_engines(engines / "w8a8", threads=1)
+    prompts, max_new = PROMPTS + [[40, 41, 42]], [2, 3, 24]
+    alone = [pipe.generate_ids([p], n).tokens[0] for p, n in zip(prompts, max_new)]
+    batcher = Batcher(pipe.engine_for(64, 3), pipe.proposer, "fixed", None, pipe.config.eos_token_ids)
+    assert batcher.per_row
+    requests = [Request(p, n) for p, n in zip(prompts, max_new)]
+    for req in requests:
+        batcher.add(req)
+    while len(batcher.running) != 1 or not requests[2].tokens:
+        batcher.step()
+    assert sorted(batcher.running) == [2]  # rows 0 and 1 idle below it
+    calls, steps = pipe.model.fused_calls, 0
+    while not batcher.idle:
+        batcher.step()
+        steps += 1
+    assert steps > 2 and pipe.model.fused_calls - calls == steps
+    assert [r.tokens for r in requests] == alone
+
+
 def test_w8a8_options_are_checked():
     opts = QuantOptions("w8a8", block_size=24, accuracy_level=4)  # block and level do not apply: reset
     assert (opts.block_size, opts.accuracy_level, opts.bits) == (0, 0, 8)

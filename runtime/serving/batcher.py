@@ -57,6 +57,7 @@ from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, is_seeded, seede
 from specrt.runtime.serving.measured_gate import MeasuredGate
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
 from specrt.runtime.serving.rows import (
+    forward_active_runs,
     proposer_prefix_view,
     reset_engine_row,
     reset_proposer_row,
@@ -142,12 +143,13 @@ class Batcher:
             raise SpecrtError(f"unknown seeded_sampling {seeded_sampling!r}", f"use one of {', '.join(SEEDED_SAMPLING)}")
         self.seed_noise = seeded_sampling == "noise"
         self.engine, self.proposer = engine, proposer
+        # an engine that runs each row of a batch as its own call on its real tokens
+        # (`OrtTargetModel.per_row_batches`): idle rows are skipped, not computed as padding
+        self.per_row = bool(getattr(getattr(engine, "model", None), "per_row_batches", False))
         if cost is None:
-            # a step's cost model (`policy`): rows padded to the longest, unless the engine runs each row
-            # as its own call on its real tokens (`OrtTargetModel.per_row_batches`): then the paper's
-            # packed count of verify tokens is what a step costs
-            per_row = getattr(getattr(engine, "model", None), "per_row_batches", False)
-            cost = "packed" if per_row else "padded"
+            # a step's cost model (`policy`): rows padded to the longest, or, on a per-row engine,
+            # the paper's packed count of verify tokens, which is what its steps cost
+            cost = "packed" if self.per_row else "padded"
         self.schedule, self.sps, self.cost = schedule, sps, cost
         self.slots = int(engine.batch_size)
         self.capacity = int(engine.capacity)
@@ -491,7 +493,12 @@ class Batcher:
         anchors = [self.running[r].anchor if r in self.running else 0 for r in range(hi)]
         t1 = time.perf_counter()
         ids, positions, mask = _verify_batch(proposals, anchors, view.lengths)
-        logits, taps = view.forward(ids, positions, mask)
+        if self.per_row and self.views and len(active) < hi:
+            # one call per row: rows left idle inside the range would each cost a one-token call
+            sizes = [1 + len(p) if p is not None else 1 for p in proposals]
+            logits, taps = forward_active_runs(engine, ids, positions, mask, active, sizes)
+        else:
+            logits, taps = view.forward(ids, positions, mask)
         t2 = time.perf_counter()
         c.steps += 1
         c.step_tokens += int(ids.shape[0] * ids.shape[1])

@@ -79,6 +79,28 @@ def reset_proposer_row(proposer, row: int) -> None:
             state[row] = None
 
 
+def forward_active_runs(engine, ids, positions, mask, active: list[int], sizes: list[int]):
+    """A verify step over rows 0..hi-1 that computes only the `active` rows: one forward per run of
+    consecutive active rows, each on a row view trimmed to its run's longest real input (`sizes[row]`
+    tokens). For engines that run one call per row anyway (`OrtTargetModel.per_row_batches`), where an
+    idle row in the range would otherwise cost a whole one-token call. Idle rows get zero logits and
+    taps, which nobody reads; a lone row is called on exactly its own tokens, as it would be alone."""
+    hi = ids.shape[0]
+    logits_out, taps_out = None, None
+    for lo, end in runs(active):
+        t = max(sizes[lo:end])
+        view = row_view(engine, lo, end)
+        logits, taps = view.forward(ids[lo:end, :t], positions[lo:end, :t], mask[lo:end, :t, :t])
+        if logits_out is None:
+            logits_out = logits.new_zeros((hi, ids.shape[1]) + tuple(logits.shape[2:]))
+            if taps is not None:
+                taps_out = taps.new_zeros((hi, ids.shape[1]) + tuple(taps.shape[2:]))
+        logits_out[lo:end, :t] = logits
+        if taps_out is not None:
+            taps_out[lo:end, :t] = taps
+    return logits_out, taps_out
+
+
 def runs(rows: list[int]) -> list[tuple[int, int]]:
     """Sorted rows -> maximal runs of consecutive rows as (lo, hi) half-open ranges."""
     out: list[tuple[int, int]] = []
