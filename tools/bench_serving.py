@@ -210,6 +210,7 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
 def run(args: argparse.Namespace) -> int:
     import torch
     from specrt.export.errors import SpecrtError
+    from specrt.runtime.backends.ort_session import default_threads
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
 
@@ -287,7 +288,9 @@ def run(args: argparse.Namespace) -> int:
     for row in results:
         base = next((r for r in results if r["mode"] == "plain" and r["concurrency"] == row["concurrency"]), None)
         row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
-    report = {"backend": backend, "device": args.device, "threads": torch.get_num_threads(), "target": plain.name,
+    # the engine's compute threads (ORT's intra-op pool, or torch's); torch's own count is one here on ORT
+    threads = args.threads or (default_threads() if backend == "ort" else torch.get_num_threads())
+    report = {"backend": backend, "device": args.device, "threads": threads, "target": plain.name,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "prompts": args.prompts,
               "repeats": args.repeats, "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
