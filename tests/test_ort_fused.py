@@ -215,14 +215,20 @@ def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders
     assert next(n for n in graph.node if "logits" in n.output).op_type == "MatMulNBits"
     assert all(n.input[1] == "" and n.input[2] == "" for n in graph.node if n.op_type == "GroupQueryAttention")
     assert not Pipeline.from_engines(root / "with", threads=1).model.two_row_decode  # fp32: not needed
-    # no drafter loaded: nothing to reproduce, the faster one-row kernels are kept
-    assert not Pipeline.from_engines(out, threads=1, drafter="none").model.two_row_decode
     # logits of the last token: T=1 steps after a prompt == one multi-row call over the same tokens
     ids = [5, 9, 23, 7, 11, 40, 2, 18, 33, 61]
-
-    assert torch.equal(last_logits(model, ids, 1), last_logits(model, ids, 100))
+    many = last_logits(model, ids, 100)
+    assert torch.equal(last_logits(model, ids, 1), many)
     for prompt in PROMPTS:
         assert pipe.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24, speculative=False).tokens
+    # no drafter loaded: one-row calls whose attention alone runs a second row, equally exact
+    plain = Pipeline.from_engines(out, threads=1, drafter="none")
+    assert plain.model.attention_row_decode and not plain.model.two_row_decode and plain.model.exact_decode
+    calls = plain.model.fused_calls
+    assert torch.equal(last_logits(plain.model, ids, 1), many)
+    assert plain.model.fused_calls - calls == 7  # the prompt's call and six one-token calls, all fused
+    for prompt in PROMPTS:
+        assert plain.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24).tokens
 
 
 def test_portable_int8_engines_do_not_pretend_to_be_exact(engine_folders):

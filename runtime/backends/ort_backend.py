@@ -188,13 +188,18 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4 or w8a8)
     # two-row decoding is what lets plain decoding reproduce speculative output on such engines, on the
     # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
-    # how the context was fed whatever the row count); with no drafter loaded there is nothing to
-    # reproduce, and one-row calls are ~10% faster (docs/numbers.md)
+    # how the context was fed whatever the row count)
     # (speculating with copies from the text only, lookup_only, needs it as much as a drafter does)
-    # w8a8 decodes two rows always: its second row costs ~nothing (measured plain 99.0 tok/s two-row vs 97.5
-    # one-row, 80 prompts), and then every way of running the folder gives the same text (one-row plain
-    # decoding differed from speculative output on 77/80 MT-bench prompts within 128 tokens)
-    target.two_row_decode = int8_activations and (drafting or lookup_only or w8a8) and fused is not None
+    # without a proposer: attention rows where the graph takes them; on older folders int4/int8 keep
+    # one-row calls (~15% faster than two rows, text not that of speculation) and w8a8 decodes two rows
+    # (its second row costs ~nothing: plain 99.0 tok/s two-row vs 97.5 one-row, 80 prompts; one-row
+    # plain text differed from speculative output on 77/80 MT-bench prompts within 128 tokens)
+    # fused graphs that take attention rows (`specrt.export.ort_fused`) give plain decoding the same
+    # exactness at ~one row's cost (int4, measured: 127 tok/s against 131 one-row and 110 two-row)
+    speculating = drafting or lookup_only
+    target.two_row_decode = int8_activations and fused is not None and (
+        speculating or (w8a8 and not target.takes_attention_rows))
+    target.attention_row_decode = int8_activations and target.takes_attention_rows and not target.two_row_decode
     # batches of such engines on the portable graph change a request's text against its text alone
     # (docs/numbers.md, sessions 14 and 16): one fused call per row keeps it (OrtTargetModel)
     target.per_row_batches = int8_activations and fused is not None

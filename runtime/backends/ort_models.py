@@ -99,9 +99,29 @@ class OrtTargetModel:
         self._views: dict[tuple, tuple[dict, dict]] = {}  # cache key -> (past_* feeds, present_* buffers)
         self._views_of = None  # storage pointer of the one cache _views (and the fused graph's bindings) belong to
         self.per_row_batches = False  # batches as one fused call per row (class docstring)
-        # one-row calls run as two rows (see with_copy_row): on for int8-activation engines, where it is
-        # what makes speculative output equal plain output; fp32 engines agree without it (measured)
+        # one-row calls run as two rows (see with_copy_row): on for int8-activation engines with a
+        # proposer, where it is what makes speculative output equal plain output (and the second row
+        # carries a copy for free); fp32 engines agree without it (measured)
         self.two_row_decode = False
+        # one-row calls with two attention rows only (see with_attention_row): the same exactness at
+        # ~one row's cost, for plain decoding on int8-activation engines whose fused graph takes it
+        self.attention_row_decode = False
+
+    @property
+    def takes_attention_rows(self) -> bool:
+        """The fused graph runs attention over more rows than tokens (`specrt.export.ort_fused`,
+        "attention rows"); folders exported before that cannot."""
+        from specrt.export.ort_fused import ATTENTION_ROWS_DIM
+
+        if self.fused is None:
+            return False
+        shape = next((i["shape"] for i in self.fused.spec.get("inputs", []) if i["name"] == "position_ids"), [])
+        return len(shape) == 2 and shape[1] == ATTENTION_ROWS_DIM
+
+    @property
+    def exact_decode(self) -> bool:
+        """One-token calls reproduce a verify step's row bitwise (int8-activation engines)."""
+        return self.two_row_decode or self.attention_row_decode
 
     def set_taps(self, tap_layers: Sequence[int]) -> None:
         taps = tuple(int(i) for i in tap_layers)
@@ -124,7 +144,11 @@ class OrtTargetModel:
             logit_rows = torch.arange(t).expand(b, t)
         if b > 1 and self.per_row_batches and self.fused is not None:
             return self._call_per_row(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows)
-        copy_row = self.two_row_decode and b == 1 and t == 1 and attn_mask.shape[-1] < k_cache.shape[-2]
+        room = b == 1 and t == 1 and attn_mask.shape[-1] < k_cache.shape[-2]  # a spare slot for the copy
+        if room and self.attention_row_decode and not self.two_row_decode and self._fits_fused(attn_mask, write_slots):
+            ids, rows_positions, rows_mask = with_attention_row(input_ids, position_ids, attn_mask, write_slots)
+            return self._call_fused(ids, rows_positions, rows_mask, k_cache, v_cache, logit_rows)
+        copy_row = self.two_row_decode and room
         if copy_row:
             input_ids, position_ids, attn_mask, write_slots = with_copy_row(input_ids, position_ids, attn_mask,
                                                                             write_slots)
@@ -212,15 +236,25 @@ class OrtTargetModel:
         return out["logits"], out.get("taps") if self.tap_layers else None
 
 
+def with_attention_row(input_ids, position_ids, attn_mask, write_slots):
+    """`with_copy_row`'s inputs for a fused graph that takes attention rows: the token once, its
+    position and mask for two attention rows (the graph repeats the token's q|k|v for the second)."""
+    _, positions, mask, _ = with_copy_row(input_ids, position_ids, attn_mask, write_slots)
+    return input_ids, positions, mask
+
+
 def with_copy_row(input_ids, position_ids, attn_mask, write_slots):
     """A one-token call as two rows: the token and a copy that sees only itself, written to the next
     (spare) slot, which the following call overwrites.
 
-    Why (`OrtTargetModel.two_row_decode`, on for int8-activation engines with a drafter): one-row calls
-    take other kernel paths (GroupQueryAttention's decode loop, GEMV) whose rounding differs from
-    multi-row calls by ~1e-6; MatMulNBits' int8 activation rounding (accuracy level 4) amplifies that
-    to ~1 logit over the layers, so plain decoding would not reproduce a verify step. With a second
-    row every call takes the multi-row path, where a row's result does not depend on the other rows.
+    Why (`OrtTargetModel.two_row_decode`, on for int8-activation engines with a proposer): a one-row
+    GroupQueryAttention call takes its decode path, whose rounding differs from multi-row calls by
+    ~1e-6; int8 activation rounding (MatMulNBits at accuracy level 4, w8a8) amplifies that to ~1 logit
+    over the layers, so plain decoding would not reproduce a verify step. With a second row every call
+    takes the multi-row path, where a row's result does not depend on the other rows (the linear
+    layers' rows are bitwise independent of the row count: checked on MatMulNBits, 1-4 rows). The
+    second row then carries a free one-token copy; plain decoding needs only attention's second row
+    (`with_attention_row`).
     """
     window = attn_mask.shape[-1]
     mask = torch.zeros(1, 2, window + 1, dtype=torch.bool, device=attn_mask.device)
