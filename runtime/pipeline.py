@@ -63,12 +63,15 @@ class Pipeline:
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
     def from_engines(cls, folder: str | Path, device: str = "cpu", threads: int | None = None,
-                     drafter: str = "auto", draft_options=None, verify_checksums: bool = True) -> "Pipeline":
+                     drafter: str = "auto", draft_options=None, verify_checksums: bool = True,
+                     exact_plain: bool = True) -> "Pipeline":
         """An engine folder written by `specrt export`, run by ONNX Runtime.
 
         drafter: "auto" uses the folder's drafter (plain decoding when it has none), "none" skips it,
         a kind ("eagle3", ...) insists on that kind, "lookup" speculates with copies from the text
         alone (any folder; `specrt.runtime.proposers.lookup`).
+        exact_plain: False trades plain decoding's exactness on int8-activation engines for ~7% speed
+        (`load_engines`); speculative output is exact either way.
         """
         from specrt.runtime.backends.ort_backend import OrtTargetEngine, load_engines
         from specrt.runtime.backends.ort_session import SessionOptions
@@ -76,7 +79,7 @@ class Pipeline:
         options = SessionOptions(device=device, threads=threads)
         lookup_only = drafter == "lookup"  # needs no drafter graph: any engine folder can run it
         engines = load_engines(folder, options, with_drafter=drafter not in ("none", "lookup"),
-                               verify_checksums=verify_checksums, lookup_only=lookup_only)
+                               verify_checksums=verify_checksums, lookup_only=lookup_only, exact_plain=exact_plain)
         if drafter not in ("auto", "none", "lookup") and engines.drafter_kind != drafter:
             raise SpecrtError(
                 f"{folder} holds a {engines.drafter_kind or 'target-only'} engine, not {drafter}",

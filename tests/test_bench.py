@@ -60,3 +60,14 @@ def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):
     # ... and so is a set another target regenerated (its ids mean other tokens)
     with pytest.raises(SpecrtError, match="built for SmolLM2-135M-Instruct"):
         bench_prompts(args, tokenizer=None, target_name="Qwen3-0.6B")
+
+
+def test_a_drafter_is_measured_against_the_fastest_plain_decoding_on_its_weights():
+    from specrt.tools.bench import fastest_plain
+
+    rates = {"plain": 40.0, "plain (target only)": 44.0, "plain@int4": 86.0,
+             "plain@int4 (target only)": 87.0, "plain@int4 (target only, one row)": 93.0, "plain@w8a8": 70.0}
+    assert fastest_plain("lookup@int4", rates) == "plain@int4 (target only, one row)"
+    assert fastest_plain("eagle3+lookup", rates) == "plain (target only)"
+    assert fastest_plain("lookup@w8a8", rates) == "plain@w8a8"
+    assert fastest_plain("lookup@int8", rates) is None

@@ -229,6 +229,10 @@ def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders
     assert plain.model.fused_calls - calls == 7  # the prompt's call and six one-token calls, all fused
     for prompt in PROMPTS:
         assert plain.generate_ids([prompt], 24).tokens == pipe.generate_ids([prompt], 24).tokens
+    # exact_plain=False: one-row calls (the fastest plain decoding), whose logits differ here
+    fast = Pipeline.from_engines(out, threads=1, drafter="none", exact_plain=False)
+    assert not fast.model.exact_decode
+    assert not torch.equal(last_logits(fast.model, ids, 1), many)
 
 
 def test_portable_int8_engines_do_not_pretend_to_be_exact(engine_folders):

@@ -142,12 +142,16 @@ def manifest_draft_defaults(data: dict[str, Any]):
 
 
 def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,
-                 verify_checksums: bool = True, use_fused: bool = True, lookup_only: bool = False) -> OrtEngines:
+                 verify_checksums: bool = True, use_fused: bool = True, lookup_only: bool = False,
+                 exact_plain: bool = True) -> OrtEngines:
     """Validate the manifest (checksums included) and open one session per graph.
 
     use_fused: run single streams on the folder's ORT-fused target graph when it has one (CPU); the
     portable graph then loads on the first batched call. False: the portable graph only.
-    lookup_only: no drafter graph is loaded, but the target will verify copied drafts."""
+    lookup_only: no drafter graph is loaded, but the target will verify copied drafts.
+    exact_plain: without a proposer, int8-activation engines decode with attention rows, so plain text
+    is the speculative decoder's (~7% slower than one-row calls on int4); False keeps one-row calls
+    (the fastest plain decoding, which the bench times as the speed baseline)."""
     from specrt.export.tokenizer import chat_tokenizer_from_folder
 
     options = options or SessionOptions()
@@ -199,7 +203,8 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     speculating = drafting or lookup_only
     target.two_row_decode = int8_activations and fused is not None and (
         speculating or (w8a8 and not target.takes_attention_rows))
-    target.attention_row_decode = int8_activations and target.takes_attention_rows and not target.two_row_decode
+    target.attention_row_decode = (int8_activations and target.takes_attention_rows and not target.two_row_decode
+                                   and exact_plain)
     # batches of such engines on the portable graph change a request's text against its text alone
     # (docs/numbers.md, sessions 14 and 16): one fused call per row keeps it (OrtTargetModel)
     target.per_row_batches = int8_activations and fused is not None
