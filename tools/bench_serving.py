@@ -27,7 +27,6 @@ Writes serving.json, serving.md and serving.png to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -293,11 +292,11 @@ def run(args: argparse.Namespace) -> int:
     report = {"backend": backend, "device": args.device, "threads": threads, "target": plain.name,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "prompts": args.prompts,
               "repeats": args.repeats, "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "serving.md").write_text(render_markdown(report))
-    plot(report, args.out / "serving.png")
-    print(render_markdown(report))
+    from specrt.tools.report_files import write_report
+
+    table = render_markdown(report)
+    write_report(args.out, "serving", report, table, plot)
+    print(table)
     print(f"wrote {args.out / 'serving.md'}, serving.json, serving.png", file=sys.stderr)
     return 0
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import sys
 import time
 from pathlib import Path
+
+from specrt.tools.report_files import write_report
 
 
 def parse_fractions(text: str) -> list[float]:
@@ -70,7 +71,7 @@ def build_variants(args: argparse.Namespace):
     defaults = dataclasses.replace(defaults, lookup=args.lookup or defaults.lookup or DEFAULT_LOOKUP_TOKENS)
     variants = []
     for fraction in parse_fractions(args.fractions):
-        count = int(round(len(samples) * fraction))
+        count = round(len(samples) * fraction)
         store = datastore_from_samples(samples[:count], source) if count else False  # False: own text only
         options = with_folder_lookup(dataclasses.replace(defaults, lookup_datastore=store), base.folder,
                                      free_first=bool(getattr(base.model, "two_row_decode", False)),
@@ -121,9 +122,9 @@ def measure(plain, variants, prompts: list[str], max_new: int, reference=None) -
 
 def render(report: dict) -> str:
     lines = [f"## Copy datastore size: {report['engines']} ({report['threads']} threads)", "",
-             f"{report['prompts']} MT-bench first turns (even stride), {report['max_new_tokens']} new tokens, greedy, "
-             "variants interleaved per prompt; plain is the target-only folder's decoding, \"same as plain\" "
-             f"compares with {report.get('reference', 'the timed plain decoding')}.", "",
+             (f"{report['prompts']} MT-bench first turns (even stride), {report['max_new_tokens']} new tokens, "
+              "greedy, variants interleaved per prompt; plain is the target-only folder's decoding, \"same as "
+              f"plain\" compares with {report.get('reference', 'the timed plain decoding')}."), "",
              "| variant | answers in the store | tau | tok/s | vs plain | same as plain |", "|---|---|---|---|---|---|"]
     for r in report["results"]:
         answers = "" if r["answers"] is None else str(r["answers"])
@@ -178,11 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"engines": str(args.engines), "threads": args.threads, "prompts": len(prompts),
               "reference": "two-row plain decoding" if reference is not None else "the timed plain decoding",
               "max_new_tokens": args.max_new_tokens, "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "store.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "store.md").write_text(render(report))
-    plot(report, args.out / "store.png")
-    print(render(report))
+    table = render(report)
+    write_report(args.out, "store", report, table, plot)
+    print(table)
     print(f"wrote {args.out}/store.{{json,md,png}}", file=sys.stderr)
     return 0
 
