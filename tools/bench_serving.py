@@ -294,10 +294,7 @@ def run(args: argparse.Namespace) -> int:
               "repeats": args.repeats, "results": results}
     from specrt.tools.report_files import write_report
 
-    table = render_markdown(report)
-    write_report(args.out, "serving", report, table, plot)
-    print(table)
-    print(f"wrote {args.out / 'serving.md'}, serving.json, serving.png", file=sys.stderr)
+    write_report(args.out, "serving", report, render_markdown(report), plot)
     return 0
 
 

@@ -179,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"engines": str(args.engines), "threads": args.threads, "prompts": len(prompts),
               "reference": "two-row plain decoding" if reference is not None else "the timed plain decoding",
               "max_new_tokens": args.max_new_tokens, "results": results}
-    table = render(report)
-    write_report(args.out, "store", report, table, plot)
-    print(table)
-    print(f"wrote {args.out}/store.{{json,md,png}}", file=sys.stderr)
+    write_report(args.out, "store", report, render(report), plot)
     return 0
 
 
