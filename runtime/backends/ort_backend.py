@@ -190,16 +190,13 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     # (specrt.export.integer_matmul: its sums are exact, but its rounding amplifies attention's)
     w8a8 = weights.get("weights") == "w8a8"
     int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4 or w8a8)
-    # two-row decoding is what lets plain decoding reproduce speculative output on such engines, on the
-    # fused graph (the portable one splits attention at the committed/new boundary, so its sums depend on
-    # how the context was fed whatever the row count)
-    # (speculating with copies from the text only, lookup_only, needs it as much as a drafter does)
-    # without a proposer: attention rows where the graph takes them; on older folders int4/int8 keep
-    # one-row calls (~15% faster than two rows, text not that of speculation) and w8a8 decodes two rows
-    # (its second row costs ~nothing: plain 99.0 tok/s two-row vs 97.5 one-row, 80 prompts; one-row
-    # plain text differed from speculative output on 77/80 MT-bench prompts within 128 tokens)
-    # fused graphs that take attention rows (`specrt.export.ort_fused`) give plain decoding the same
-    # exactness at ~one row's cost (int4, measured: 127 tok/s against 131 one-row and 110 two-row)
+    # Such engines never make a one-row attention call, on the fused graph (the portable one splits
+    # attention at the committed/new boundary, so its sums depend on how the context was fed whatever
+    # the row count): with a proposer (a drafter, or copies alone: lookup_only) one-token steps run two
+    # rows, the second carrying a free copy; without one, plain decoding runs attention rows
+    # (`specrt.export.ort_fused`; int4, 80 MT-bench prompts: 0.92x of one-row speed, two rows ~0.82x).
+    # Folders exported before attention rows: int4/int8 keep one-row calls (text not that of
+    # speculation) and w8a8 decodes two rows (its second row costs ~nothing there: 99.0 vs 97.5 tok/s).
     speculating = drafting or lookup_only
     target.two_row_decode = int8_activations and fused is not None and (
         speculating or (w8a8 and not target.takes_attention_rows))
