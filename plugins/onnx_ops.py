@@ -63,7 +63,7 @@ def registered_schemas() -> Iterator[None]:
 
 
 def check_opset(opset_version: int) -> int:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     if not MIN_OPSET <= int(opset_version) <= MAX_OPSET:
         raise SpecrtError(

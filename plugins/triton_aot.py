@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 HIDDEN_PARAMS = ("global_scratch", "profile_scratch")
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 try:
     import triton

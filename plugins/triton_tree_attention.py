@@ -37,7 +37,7 @@ import math
 from typing import Any
 
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 try:  # the kernels need triton; the module still imports without it (the wrappers then refuse)
     import triton

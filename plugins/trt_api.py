@@ -20,7 +20,7 @@ import importlib
 from types import ModuleType
 from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar, cast
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

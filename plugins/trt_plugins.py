@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.plugins import confidence_truncate as ct_op
 from specrt.plugins import tree_attention as ta_op
 from specrt.plugins.trt_api import PluginAPI, SymExpr, TensorDescLike, load_plugin_api

@@ -1,1 +1,1 @@
-"""specrt.runtime: generation loops, sampling, KV cache, backends and the `specrt` CLI."""
+"""specrt.runtime: the speculative loop, verification, sampling, KV cache, proposers, backends and serving."""

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.engine import TargetEngine, causal_mask
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.stats import RequestStats

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.host_threads import ORT_HOST_THREADS, torch_threads
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RequestStats

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 
 @dataclass(frozen=True)

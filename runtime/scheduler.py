@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 __all__ = ["SpsTable", "Schedule", "schedule", "survival"]
 

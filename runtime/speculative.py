@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.engine import TargetEngine
 from specrt.runtime.generate import GenerationResult, TokenCallback, prefill, validate_request
 from specrt.runtime.proposers.base import Proposal, Proposer

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from specrt.export.errors import SpecrtError
-from specrt.runtime.cli import main
+from specrt.plugins.errors import SpecrtError
+from specrt.tools.cli import main
 
 
 def cli(capsys, *argv):

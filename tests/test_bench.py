@@ -9,7 +9,7 @@ import torch
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
-from specrt.runtime.cli import main
+from specrt.tools.cli import main
 
 
 def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
@@ -43,7 +43,7 @@ def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):
     import gzip
 
     import pytest
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.tools.bench import bench_prompts
     from specrt.tools.build_data import DEFAULT_OUT, read_shards
     from specrt.tools.train_features import is_validation

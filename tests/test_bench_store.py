@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.tools.bench_store import parse_fractions, render, stride_prompts
 
 

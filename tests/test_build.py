@@ -20,7 +20,7 @@ import torch
 from _onnx_tiny import TARGET_CFG, make_drafters, make_target
 from specrt.export import build
 from specrt.export import manifest as mf
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.plugins.trt_api import tensorrt_available
 
 ROOT = Path(__file__).resolve().parents[1]

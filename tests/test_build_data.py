@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.tools.build_data import BATCH_ORDER, check_resumable, plan_batches
 
 SETTINGS = {"num_prompts": 40, "max_prompt_tokens": 256, "max_new_tokens": 256, "batch_size": 4, "seed": 0,

@@ -43,7 +43,7 @@ def test_wheel_installs_everything_under_specrt(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"specrt"}, tops
-    for module in ("specrt/export/models/llama.py", "specrt/runtime/cli.py", "specrt/plugins/__init__.py"):
+    for module in ("specrt/export/models/llama.py", "specrt/tools/cli.py", "specrt/plugins/__init__.py"):
         assert module in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "specrt = specrt.runtime.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "specrt = specrt.tools.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

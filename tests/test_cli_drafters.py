@@ -11,7 +11,7 @@ from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter
 from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter
-from specrt.runtime.cli import main
+from specrt.tools.cli import main
 
 
 @pytest.fixture(scope="module")

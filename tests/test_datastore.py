@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.datastore import NgramDatastore, _hash_suffixes, load_datastore_for, store_key
 from specrt.runtime.proposers.lookup import LookupProposer, NgramLookup

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specrt.export.checkpoints.drafters import check_fits_target, infer_kind, load_drafter, save_drafter
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter, default_dflash_taps, dflash_target_layer_ids
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter

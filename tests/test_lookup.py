@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.factory import DraftOptions, load_proposer, proposer_for

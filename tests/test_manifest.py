@@ -16,7 +16,7 @@ import torch
 from _onnx_tiny import make_drafters, make_target, write_hf_target
 from specrt.export import manifest as mf
 from specrt.export.checkpoints.drafters import save_drafter
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.export import export_engine, main
 
 pytest.importorskip("onnxruntime")

@@ -12,7 +12,7 @@ import torch
 
 from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.export import main as export_main
 from specrt.runtime.backends.ort_models import split_window_mask
 from specrt.runtime.pipeline import Pipeline
@@ -255,7 +255,7 @@ def test_bench_on_engines_reports_every_drafter_and_the_peers(folders, tmp_path,
     import json
 
     import specrt.tools.datasets as datasets
-    from specrt.runtime.cli import main
+    from specrt.tools.cli import main
 
     # the tiny vocabulary has no chat text: feed MT-bench-shaped questions made of its own words
     monkeypatch.setattr(datasets, "mtbench_questions", lambda: [{"turns": ["w5 w9 w23"]}, {"turns": ["w40 w2"]}])

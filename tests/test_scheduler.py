@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.scheduler import Schedule, SpsTable, schedule, survival
 from specrt.runtime.verify import verify_chain_sampling
 

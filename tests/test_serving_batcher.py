@@ -134,7 +134,7 @@ def test_stop_ids_eos_and_a_full_cache(target, alone):
 
 
 def test_bad_requests_are_refused(target):
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     batcher = Batcher(TorchTargetEngine(target, 32, 2))
     for bad, words in [(Request([], 4), "empty prompt"), (Request([1] * 32, 4), "KV cache holds 32"),

@@ -19,7 +19,7 @@ import torch
 from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.export.export import main as export_main
-from specrt.runtime.cli import main as cli_main
+from specrt.tools.cli import main as cli_main
 from specrt.runtime.pipeline import Pipeline
 from specrt.runtime.scheduler import SpsTable
 from specrt.runtime.serving.batcher import Batcher, Request
@@ -78,7 +78,7 @@ def test_calibration_responses_fit_a_short_context_target(folders, monkeypatch, 
     """calibrate's fallback (plain greedy responses to ShareGPT prompts) sizes prompts and responses
     to the target's positions (the tiny target has 128) instead of asking for more than it has."""
     import specrt.tools.datasets as datasets
-    from specrt.runtime.cli_calibrate import generate_responses
+    from specrt.tools.cli_calibrate import generate_responses
 
     pipe = Pipeline.from_engines(folders["dspark"], drafter="none")
     positions = pipe.config.max_position_embeddings
@@ -157,7 +157,7 @@ def free_port() -> int:
 def test_specrt_serve_cli_answers_and_shuts_down(folders):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "specrt.runtime.cli", "serve", "--engines", str(folders["dspark"]),
+    proc = subprocess.Popen([sys.executable, "-m", "specrt.tools.cli", "serve", "--engines", str(folders["dspark"]),
                              "--port", str(port), "--slots", "2", "--capacity", "64", "--threads", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

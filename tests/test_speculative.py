@@ -197,7 +197,7 @@ def test_block_tree_candidates_are_each_positions_top_k(target, kind):
 def test_dspark_trees_need_the_markov_head(target):
     import types
 
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     proposer = block(target, "dspark")
     exported_like = types.SimpleNamespace(kind="dspark", config=proposer.drafter.config, block_size=5, num_drafts=5,

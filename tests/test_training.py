@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from specrt.export.checkpoints.drafters import load_drafter
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models import LlamaConfig, LlamaModel
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.plugins.triton_aot import entry_params, trim_hidden_params
 
 PTX = """.version 8.3

@@ -105,7 +105,7 @@ def test_triton_tree_attention_reads_cache_views_in_place():
 
 
 def test_triton_tree_attention_refuses_bad_shapes():
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     q, k, v = torch.randn(1, 3, 2, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
     pk, pv = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)

@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.plugins import trt_plugins
 from specrt.plugins.confidence_truncate import INPUTS as CT_INPUTS
 from specrt.plugins.tree_attention import INPUTS as TA_INPUTS

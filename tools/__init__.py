@@ -1,1 +1,1 @@
-"""specrt.tools: training, data building, benchmarks and comparison scripts."""
+"""specrt.tools: the `specrt` CLI, training, data building, benchmarks and comparison scripts."""

@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_drafters(text: str) -> dict[str, str | None]:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.runtime.proposers.factory import DRAFTER_KINDS, FREE_KINDS
 
     if not text:
@@ -171,7 +171,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
 
 def build_pipelines(args: argparse.Namespace):
     """({plain label: pipeline}, {drafter label: pipeline}, backend) on the chosen backend."""
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.factory import load_proposer
 
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
 def bench_prompts(args: argparse.Namespace, tokenizer, target_name: str | None = None) -> list[list[int]]:
     """Token ids of the first --prompts prompts of --prompt-source."""
     if args.prompt_source == "heldout":
-        from specrt.export.errors import SpecrtError
+        from specrt.plugins.errors import SpecrtError
         from specrt.tools.build_data import DEFAULT_OUT, read_shards
         from specrt.tools.train_features import is_validation
 

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of plain, fixed, scheduled")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (spread reported)")
-    from specrt.runtime.cli_serve import add_shared_batches_argument
+    from specrt.tools.cli_serve import add_shared_batches_argument
 
     add_shared_batches_argument(p)
     p.add_argument("--sps", help="SPS table for the scheduled mode (default: each folder's sps.json / a quick profile)")
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_list(text: str, name: str) -> list[int]:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -95,7 +95,7 @@ def make_prompts(args, tokenizer, vocab: int, count: int) -> list[list[int]]:
 
 def build(args: argparse.Namespace):
     """(plain pipeline, {drafter: pipeline}, backend, {drafter: engine folder}); flags as `specrt bench`."""
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.tools.bench import build_pipelines, draft_options
 
     backend = args.backend if args.backend != "auto" else ("ort" if args.engines else "torch")
@@ -208,7 +208,7 @@ def run_config(pipe, proposer, schedule, sps, concurrency, prompts, args, sampli
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.runtime.backends.ort_session import default_threads
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
@@ -348,7 +348,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specrt.export.errors import run_reporting_errors
+    from specrt.plugins.errors import run_reporting_errors
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

@@ -29,7 +29,7 @@ from specrt.tools.report_files import write_report
 
 
 def parse_fractions(text: str) -> list[float]:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     try:
         fractions = [float(x) for x in text.split(",") if x.strip()]
@@ -49,7 +49,7 @@ def stride_prompts(questions: list[dict], count: int) -> list[dict]:
 
 def build_variants(args: argparse.Namespace):
     """(plain pipeline, [(label, answers in the store, pipeline)]) over one loaded target."""
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.export.manifest import load_manifest
     from specrt.runtime.backends.ort_backend import manifest_draft_defaults, with_folder_lookup
     from specrt.runtime.pipeline import Pipeline
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("docs/bench/store_scaling"))
     args = p.parse_args(argv)
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.tools.datasets import mtbench_questions
 
     try:

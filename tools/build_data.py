@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 DEFAULT_OUT = DATA_ROOT / "sharegpt-smollm2"

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DEFAULT_SIZES = {"batch": 2, "seq": 6, "rows": 3, "past": 9, "capacity": 24, "sps_len": 12}
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "bool": np.bool_}

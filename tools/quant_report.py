@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     folders = [f for f in args.engines.split(",") if f]
     if len(folders) < 2:
-        from specrt.export.errors import SpecrtError
+        from specrt.plugins.errors import SpecrtError
 
         raise SpecrtError("--engines needs the reference folder and at least one quantized folder",
                           "pass --engines engines/fp32,engines/int4 (export with --weights int4)")
@@ -156,7 +156,7 @@ def plot(report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specrt.export.errors import run_reporting_errors
+    from specrt.plugins.errors import run_reporting_errors
 
     ap = argparse.ArgumentParser(prog="python -m specrt.tools.quant_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 STATE_FILE = "train_state.pt"
 

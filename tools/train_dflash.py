@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 from specrt.export.models.dspark import MARKOV_VARIANTS, DSparkConfig, DSparkDrafter
 from specrt.tools.train_common import full_precision

@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter
 from specrt.tools.train_common import full_precision
 

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 FORMAT_VERSION = 1
 VALIDATION_FRACTION = 0.05

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from specrt.export.checkpoints.hf import read_folder_weights, read_json
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig, rope_from_hf
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from specrt.export.models.dspark import DSparkConfig, DSparkDrafter

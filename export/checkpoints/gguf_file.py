@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.llama import LlamaModel
 

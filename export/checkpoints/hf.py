@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.llama import LlamaModel
 

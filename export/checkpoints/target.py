@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specrt.export.default_model import DEFAULT_NAME, find_default_gguf
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
 from specrt.export.tokenizer import ChatTokenizer, chat_tokenizer_from_folder, chat_tokenizer_from_gguf
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 # model_type -> the switches that distinguish it inside the family
 SUPPORTED_MODEL_TYPES = {

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig, fill_attention_dims
 from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, write_kv
 

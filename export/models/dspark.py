@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.dflash import DFlashConfig, DFlashDrafter
 

@@ -51,7 +51,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     raise SpecrtError(f"unsupported rope scaling {scaling!r}", "supported: llama3, linear, or none")
 

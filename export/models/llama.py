@@ -71,7 +71,7 @@ class LlamaModel(nn.Module):
         taps = tuple(int(i) for i in tap_layers)
         bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
         if bad:
-            from specrt.export.errors import SpecrtError
+            from specrt.plugins.errors import SpecrtError
 
             raise SpecrtError(
                 f"tap layers {bad} are outside hidden_states[0..{self.config.num_layers}] of this target",

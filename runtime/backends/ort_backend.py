@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.manifest import EngineManifest, load_manifest
 from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
 from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions

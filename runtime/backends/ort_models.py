@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
 from specrt.runtime.backends.ort_session import OrtGraph
 

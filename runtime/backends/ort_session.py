@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DEVICE_PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from specrt.export.build import check_plan_compatible, pick_profile
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.manifest import EngineManifest, load_manifest
 from specrt.runtime.backends.ort_models import (
     OrtBlockDrafter,

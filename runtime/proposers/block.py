@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.dflash import DFlashDrafter
 from specrt.export.models.dspark import DSparkDrafter
 from specrt.runtime.proposers.base import Proposal

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 DATASTORE_FILE = "datastore.npz"
 DEFAULT_STORE_MATCH = 6

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
 from specrt.runtime.proposers.lookup import (
     DEFAULT_ALONE_ABOVE,

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.proposers.base import Proposal, _depth
 from specrt.runtime.sampling import SamplingParams
 

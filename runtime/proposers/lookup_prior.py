@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 LOOKUP_FILE = "lookup.json"
 DEFAULT_PRIOR_WEIGHT = 16.0  # pseudo-trials per (match length, depth) cell

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.proposers.base import Proposal

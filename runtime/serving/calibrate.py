@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.scheduler import SpsTable

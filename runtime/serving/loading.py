@@ -1,31 +1,12 @@
-"""Shared by `specrt serve`, `specrt calibrate` and the serving bench: load, size, calibrate, batch.
+"""Shared by `specrt serve`, `specrt calibrate` and the serving bench: size, calibrate, batch a loaded pipeline.
 
-The model-loading flags (defined in `specrt.runtime.cli_serve`) are `specrt generate`'s (same names,
-same meaning), so one pipeline builder (`specrt.runtime.cli_generate.build_pipeline`) serves every
-command.
+Loading the pipeline from command-line flags is the CLI's job (`specrt.tools.cli_serve.load_pipeline`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-
-def load_pipeline(args: argparse.Namespace):
-    import torch
-    from specrt.runtime.cli_generate import build_pipeline, explicit_draft_options
-    from specrt.runtime.proposers.factory import DraftOptions
-
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
-                 block_tree_top_k=args.block_tree_top_k)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pipe = build_pipeline(args, explicit_draft_options(args))
-    set_batch_mode(pipe, getattr(args, "shared_batches", False))
-    if pipe.host_threads is not None:
-        # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)
-        torch.set_num_threads(pipe.host_threads)
-    return pipe
 
 
 def set_batch_mode(pipe, shared: bool) -> None:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest  # module level: FastAPI resolves the handlers' annotations here
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 from specrt.runtime.serving.batcher import Request
 from specrt.runtime.serving.loop import EngineLoop, QueueFull
 from specrt.runtime.serving.openai_api import (

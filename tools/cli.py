@@ -10,14 +10,14 @@ import argparse
 import importlib
 
 SUBCOMMANDS = {
-    "generate": ("specrt.runtime.cli_generate", "generate text with a target (and, later, a drafter)"),
+    "generate": ("specrt.tools.cli_generate", "generate text from an engine folder (or a checkpoint), speculatively, and print its speed"),
     "export": ("specrt.export.export", "export the target and a drafter to ONNX (engines/NAME)"),
     "build": ("specrt.export.build", "build TensorRT plans (with specrt's plugins) for an engine folder"),
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
     "bench": ("specrt.tools.bench", "tau, acceptance per position and speedup on MT-bench"),
-    "doctor": ("specrt.runtime.cli_doctor", "show what this machine can run and where the default model is"),
-    "serve": ("specrt.runtime.cli_serve", "OpenAI-compatible HTTP server with batched speculative decoding"),
-    "calibrate": ("specrt.runtime.cli_calibrate", "profile SPS(B), target steps/s vs verify tokens, on this device"),
+    "doctor": ("specrt.tools.cli_doctor", "show what this machine can run and where the default model is"),
+    "serve": ("specrt.tools.cli_serve", "OpenAI-compatible HTTP server with batched speculative decoding"),
+    "calibrate": ("specrt.tools.cli_calibrate", "profile SPS(B), target steps/s vs verify tokens, on this device"),
     "bench-serving": ("specrt.tools.bench_serving", "throughput and latency at concurrency 1..16: plain, fixed, scheduled"),
 }
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specrt.export.errors import run_reporting_errors
+    from specrt.plugins.errors import run_reporting_errors
 
     args = build_parser().parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])

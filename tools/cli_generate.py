@@ -77,7 +77,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_backend(args: argparse.Namespace) -> str:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
 
     backend = args.backend
     if backend == "auto":
@@ -124,7 +124,7 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.stats import summary_line
     from specrt.runtime.streaming import TextStream

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specrt.runtime.cli_serve import add_model_arguments, add_shared_batches_argument
+    from specrt.tools.cli_serve import add_model_arguments, add_shared_batches_argument
 
     add_model_arguments(p)
     add_shared_batches_argument(p)  # profile the batch mode the server will run
@@ -42,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specrt.export.errors import SpecrtError
-    from specrt.runtime.cli_generate import resolve_backend
+    from specrt.plugins.errors import SpecrtError
+    from specrt.tools.cli_generate import resolve_backend
     from specrt.runtime.serving.calibrate import SPS_FILE, plot_sps, profile_sps
-    from specrt.runtime.serving.loading import load_pipeline
+    from specrt.tools.cli_serve import load_pipeline
 
     backend = resolve_backend(args)
     if args.slots < 1 or args.context < 1 or args.repeats < 1 or args.warmup < 0:
@@ -88,7 +88,7 @@ def target_name(pipe, args: argparse.Namespace) -> str:
 
 def calibrate_lookup(pipe, args: argparse.Namespace, out: Path) -> None:
     """lookup.json: copy hit rates replayed over this target's own greedy text (lookup_prior.py)."""
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.runtime.proposers.lookup_prior import (
         LOOKUP_FILE,
         replay_hits,
@@ -132,7 +132,7 @@ def generate_responses(pipe, count: int, max_new_tokens: int = 256, max_prompt_t
     target is calibrated on shorter text instead of refusing the request."""
     import random
 
-    from specrt.export.errors import SpecrtError
+    from specrt.plugins.errors import SpecrtError
     from specrt.tools.datasets import sharegpt_first_turns
     from tqdm import tqdm
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from specrt.export.errors import SpecrtError
+from specrt.plugins.errors import SpecrtError
 
 # The flags live here, not in specrt.runtime.serving: `specrt --help` builds every subcommand's
 # parser, and this module must not pull in the serving package (or FastAPI) to do that.
@@ -21,7 +21,7 @@ from specrt.export.errors import SpecrtError
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """generate's model and drafting flags (no trt backend: the batcher's row views are untested there)."""
-    from specrt.runtime.cli_generate import add_model_arguments as shared
+    from specrt.tools.cli_generate import add_model_arguments as shared
 
     shared(p, backends=("auto", "ort", "torch"))
 
@@ -65,9 +65,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
 
 
+def load_pipeline(args: argparse.Namespace):
+    import torch
+    from specrt.runtime.serving.loading import set_batch_mode
+    from specrt.tools.cli_generate import build_pipeline, explicit_draft_options
+    from specrt.runtime.proposers.factory import DraftOptions
+
+    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
+                 block_tree_top_k=args.block_tree_top_k)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = build_pipeline(args, explicit_draft_options(args))
+    set_batch_mode(pipe, getattr(args, "shared_batches", False))
+    if pipe.host_threads is not None:
+        # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)
+        torch.set_num_threads(pipe.host_threads)
+    return pipe
+
+
 def run(args: argparse.Namespace) -> int:
-    from specrt.runtime.cli_generate import resolve_backend
-    from specrt.runtime.serving.loading import load_pipeline, make_batcher, make_engine, sps_for
+    from specrt.tools.cli_generate import resolve_backend
+    from specrt.runtime.serving.loading import make_batcher, make_engine, sps_for
 
     check_batch_arguments(args)
     resolve_backend(args)
