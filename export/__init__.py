@@ -1,1 +1,1 @@
-"""specrt.export: torch model definitions, checkpoint loading and (later) ONNX export."""
+"""specrt.export: torch model definitions, checkpoint loading, ONNX export, quantization and TensorRT builds."""

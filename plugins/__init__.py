@@ -1,1 +1,2 @@
-"""specrt.plugins: custom ops (TreeAttention, ConfidenceTruncate) arrive with the export issue."""
+"""specrt.plugins: the custom ops TreeAttention and ConfidenceTruncate (torch reference, ONNX function body,
+Triton kernel, TensorRT plugin) and the user-facing error type."""

@@ -1,4 +1,4 @@
-"""Export-ready torch models: the Llama-family target (and, with issue 3, the drafters)."""
+"""Export-ready torch models: the Llama-family target (`llama`) and the drafters (`eagle3`, `dflash`, `dspark`)."""
 
 from specrt.export.models.config import LlamaConfig
 from specrt.export.models.llama import LlamaModel

@@ -1,1 +1,2 @@
-"""Engine backends: torch now; ONNX Runtime and TensorRT arrive with their issues."""
+"""Engine backends behind one `TargetEngine` contract: torch (the reference), ONNX Runtime (`ort_backend`) and
+TensorRT plans (`trt_backend`)."""
