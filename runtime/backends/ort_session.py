@@ -47,8 +47,8 @@ class SessionOptions:
     optimization: str = "all"  # basic | extended | all
     profile: bool = False
     # pool threads spin between kernels: ~20% faster single-session decoding here (int4 decode call 7.5
-    # -> 6.1 ms), but between calls they steal the cores the drafter loop's Python needs (session 2 saw
-    # drafted runs halve). None: load_engines decides (on exactly when no drafter is loaded)
+    # -> 6.1 ms), but between calls they steal the cores the drafter loop's Python needs (drafted runs
+    # were seen to halve). None: load_engines decides (on exactly when no drafter is loaded)
     spinning: bool | None = None
 
     def __post_init__(self) -> None:

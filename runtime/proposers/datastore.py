@@ -7,7 +7,7 @@ requests too ("Here are some ...", "In conclusion, ..."), so a store of what it 
 prompts predicts the next token often enough to be worth a verify row: replayed over MT-bench, the
 store's first copy is right 17-67% of the time by match length (own text: 22-95%), and choosing per
 step whichever of the two expects more accepted copies lifts accepted copies per step 1.39 -> 1.49
-(a one-off replay, session 15, docs/numbers.md). This is retrieval-based drafting (REST's idea) on a tiny store.
+(a one-off replay over MT-bench). This is retrieval-based drafting (REST's idea) on a tiny store.
 
 What. `NgramDatastore` maps every n-gram (n = 1..max_match) of the stored responses to the token
 that most often followed it. A chain is a greedy walk: the longest suffix of the history found in

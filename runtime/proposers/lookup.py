@@ -6,7 +6,7 @@ restate lists and fall into loops. Replayed over its plain greedy output for the
 copied tokens every step would give tau ~2.0; how often the first copied token is right grows with
 the length of the match (~.2 after a 1-token match, ~.5 after 2, ~.95 after 6 or more, where the
 text loops). A lookup costs a few dict probes on the host and no drafter forward, so on a CPU its
-drafts cost only their verify rows (measured: docs/numbers.md, session 12).
+drafts cost only their verify rows (docs/results.md).
 
 How (`NgramIndex`, one per request row). The row's history is every committed token plus the
 anchor. For n = 1..max_match the index maps each n-gram to the position right after its most

@@ -6,7 +6,7 @@ rows on copies by that same estimate. The estimate comes from the proposer's own
 starts empty: with a Beta(1, 1) prior every first copy looks 50% likely, so a fresh record (a new
 generate call, the first steps of a server) verifies copies after one-token matches that are right
 only ~1 time in 5. On a batch of rows that pads every row to the longest copy that is a slower
-step than plain decoding (measured in session 13: 0.81x of plain at concurrency 4).
+step than plain decoding (measured: 0.81x of plain at concurrency 4).
 
 What. `replay_hits` replays lookup speculation over token sequences the target produced itself
 (prompt, greedy response): at each step the longest earlier match of the history's suffix, the copy

@@ -4,7 +4,7 @@ Why. A copied token is worth a verify row when its chance of being accepted beat
 costs, and on a CPU that cost moves: at one thread count, machine load and weight format a row costs
 8% of a one-token step, at another 25% (int4 here: T=1 7.1 ms, T=16 32.6 ms on one day, 5.8 / 18.1 ms
 on another). A fixed survival threshold cannot follow that: with the copy datastore proposing more
-low-odds copies, session 15 measured 21% more tokens per step for 18% longer steps. So the lookup
+low-odds copies, one measurement gave 21% more tokens per step for 18% longer steps. So the lookup
 proposer at batch 1 chooses its copy length the way DSpark's Algorithm 1 does for one request: the
 length L maximising (1 + sum of the first L survivals) / cost(1 + L), with cost from this model.
 

@@ -3,8 +3,8 @@
 Algorithm 1 (`policy.schedule_padded`) and the draft gate (`policy.DraftGate`) decide from
 predictions: the calibrated SPS table and the calibrated survival / hit rates. Both can be wrong in
 ways they cannot see: a table profiled at another context length or load, host time per row that no
-target-step profile contains, int4 kernels whose cost per verified row changes with the batch. In
-session 14 that made scheduled copies on the int4 engines 0.77x of plain decoding at 4 requests.
+target-step profile contains, int4 kernels whose cost per verified row changes with the batch. Once
+that made scheduled copies on the int4 engines 0.77x of plain decoding at 4 requests.
 
 This gate looks at what steps actually delivered instead: tokens emitted per second of decode-step
 wall time (drafting, verification, host work), kept separately for speculative and plain steps and
