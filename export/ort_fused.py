@@ -4,7 +4,7 @@ Why a second target graph: the portable `target` graph (`specrt.export.onnx_expo
 standard ops plus the TreeAttention function, so TensorRT and any ONNX runtime can run it, but ORT
 executes it as ~110 kernels per layer (RMSNorm chains, RoPE arithmetic, the function body's shape
 ops, a Slice+Concat of the cache window). For a 135M model at 4 bits a decode step is a few ms of
-matmul and several ms of per-kernel overhead (docs/numbers.md). This graph expresses one layer in
+matmul and several ms of per-kernel overhead. This graph expresses one layer in
 ~10 kernels, the way onnxruntime-genai's builder does:
 
     SkipSimplifiedLayerNormalization (residual add + RMSNorm)

@@ -10,7 +10,7 @@ K). ORT's CPU kernels for it dequantize blocks on the fly, and with `accuracy_le
 activations to int8 and run int8 dot products: the fastest CPU path ORT has, and the one
 onnxruntime-genai's int4 models use. Activations, norms, RoPE, attention and the K/V cache stay in
 the export dtype, so "lossless" keeps its meaning against the quantized target: speculation
-reproduces the quantized target's own greedy output exactly (README says so).
+reproduces the quantized target's own greedy output exactly (docs/exactness.md).
 
 The LM head: exported as Gemm(transB=1) on the [V, H] weight (so a head tied to the embedding is
 stored once). The quantizer only takes MatMul, so with `lm_head=True` each such Gemm becomes a

@@ -34,7 +34,7 @@ def engines(tmp_path_factory):
         out[weights] = root / f"engine-{weights}"
         assert export_main(["--drafter", "dspark", "--target", str(root / "tiny"), "--drafter-ckpt", str(root / "ckpt"),
                             "--out", str(out[weights]), "--weights", weights, "--quant-block", "16",
-                            # level 0: the batch-invariant kernel; level 4 is not lossless on real models (README)
+                            # level 0: the batch-invariant kernel; level 4 needs the runtime's exact-decoding rules (docs/exactness.md)
                             "--quant-accuracy-level", "0", "--quiet"]) == 0
     return out
 

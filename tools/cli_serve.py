@@ -30,7 +30,7 @@ def add_shared_batches_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-batches", action="store_true",
                    help="int4/int8/w8a8 engines: run batches through the portable batched graph (one call for "
                         "all requests: more throughput at several requests) instead of one fused call per "
-                        "request; a request's text can then differ from its text alone (README, Serving)")
+                        "request; a request's text can then differ from its text alone (docs/exactness.md)")
 
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:

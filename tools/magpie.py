@@ -6,7 +6,7 @@
 Why: ShareGPT first turns are one narrow slice of what users ask; MT-bench's first turns (writing,
 roleplay, reasoning, math, coding, extraction, STEM, humanities) are further from them than
 held-out ShareGPT is, and a drafter trained on ShareGPT alone loses a third of its acceptance
-there (docs/training.md, session 5). An instruction-tuned target has learned what user turns look
+there (docs/training.md). An instruction-tuned target has learned what user turns look
 like: given only its chat template up to the start of a user turn (the "pre-query template", Xu et
 al. 2024, "Magpie"), it samples a plausible user request and closes the turn with its end-of-turn
 token. SmolLM2-Instruct was itself tuned on such data, so its samples span the same task mix

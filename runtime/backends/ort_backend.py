@@ -99,7 +99,7 @@ def exact_chain_options(options):
     layout plain decoding gives it (committed slots, then itself): a tree row that skips a sibling's
     slot sums its attention in another order, the int8 activation rounding amplifies that to ~1
     logit, and greedy output would drift from plain decoding (measured: 3/24 identical with a 2/2/4
-    tree, 3/3 with chains, docs/numbers.md). Chains keep speculation exact."""
+    tree, 3/3 with chains; docs/exactness.md). Chains keep speculation exact."""
     import dataclasses
     import logging
 
@@ -203,7 +203,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     target.attention_row_decode = (int8_activations and target.takes_attention_rows and not target.two_row_decode
                                    and exact_plain)
     # batches of such engines on the portable graph change a request's text against its text alone
-    # (docs/numbers.md, sessions 14 and 16): one fused call per row keeps it (OrtTargetModel)
+    # (docs/exactness.md): one fused call per row keeps it (OrtTargetModel)
     target.per_row_batches = int8_activations and fused is not None
     drafter, kind = None, manifest.drafter_kind
     if drafting:
