@@ -10,7 +10,7 @@ gathering kept rows) around `OrtTargetModel`, so verification, rollback and batc
 code on both backends; only the forward pass runs in ONNX Runtime. Per step the graph reads the
 cache window [0, max length + T) in place and returns T new rows per layer, which are written into
 the buffers: the cost grows with the context the attention reads, never with a cache copy
-(`tools/bench_ort_kv.py` measures per-token time at context 64 and 1024).
+(`specrt bench --kv-contexts 64,1024` measures the per-step time at both contexts).
 """
 
 from __future__ import annotations
