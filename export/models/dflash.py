@@ -29,8 +29,11 @@ Two calls per round, both on the drafter's own fixed-capacity cache [Ld, B, Hkv,
         inside the block; the caller builds the mask). logits [B, Bk, V] float32 through the target's
         LM head after `norm`; hidden [B, Bk, H] is that post-norm hidden state.
 
-Label convention (DFlash): block index k predicts the token at position p + k (index 0 is the
-anchor itself), so a block of Bk tokens gives Bk - 1 drafts: logits[:, 1:]. `label_shift = 0`.
+Label convention (`DFlashConfig.convention`): z-lab's DFlash trains block index k on the token at
+position p + k (index 0 is the anchor itself), so a block of Bk tokens gives Bk - 1 drafts:
+logits[:, 1:] (`label_shift = 0`). DeepSpec's DFlash-mode drafters (its DSpark model with Markov
+rank 0 and no confidence head) train index k on p + k + 1: Bk drafts, logits[:, 0:]
+(`label_shift = 1`). The weights cannot tell the two apart; the checkpoint format does.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ from torch import nn
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig, fill_attention_dims
 from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, write_kv
+
+
+# convention -> label shift. z-lab trains index k on the token at p+k (index 0 is the anchor itself,
+# B-1 drafts); DeepSpec (its DSpark model, also its DFlash-mode drafters) on p+k+1 (B drafts).
+CONVENTIONS = {"z-lab": 0, "deepspec": 1}
 
 
 def dflash_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -81,16 +89,29 @@ class DFlashConfig:
     target_hidden_size: int = 0  # 0 -> hidden_size
     num_target_layers: int = 0  # recorded in config.json (z-lab: num_target_layers)
     max_position_embeddings: int = 4096
+    # whose block convention: "z-lab" (index k predicts p+k; a tap on the last layer is read after the
+    # final norm) or "deepspec" (index k predicts p+k+1; taps are raw layer outputs). See CONVENTIONS.
+    convention: str = "z-lab"
+    # the checkpoint format it was loaded from (provenance for the manifest; not part of the math)
+    checkpoint_format: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         fill_attention_dims(self, type(self).__name__, "check the drafter's config.json")
         if not self.target_hidden_size:
             self.target_hidden_size = self.hidden_size
         self.tap_layers = [int(i) for i in self.tap_layers]
-        if self.block_size < 2 and type(self) is DFlashConfig:
+        if self.convention not in CONVENTIONS:
+            raise SpecrtError(f"unknown block-drafter convention {self.convention!r}",
+                              f"use one of {', '.join(CONVENTIONS)}")
+        if self.block_size - 1 + self.label_shift < 1:
             raise SpecrtError(
-                f"DFlash block_size {self.block_size} gives no drafts", "use a block size of at least 2"
+                f"{type(self).__name__} block_size {self.block_size} gives no drafts", "use a larger block size"
             )
+
+    @property
+    def label_shift(self) -> int:
+        """Block index k predicts the token at position p + k + label_shift (p = the anchor's)."""
+        return CONVENTIONS[self.convention]
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -178,8 +199,6 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    label_shift = 0  # block index k predicts position p + k + label_shift
-
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -192,6 +211,11 @@ class DFlashDrafter(nn.Module):
         # shared with the target, frozen, not saved with the drafter
         self.register_buffer("target_embed_weight", None, persistent=False)
         self.register_buffer("target_lm_head_weight", None, persistent=False)
+
+    @property
+    def label_shift(self) -> int:
+        """Block index k predicts position p + k + label_shift (0: z-lab, 1: DeepSpec, DSpark)."""
+        return self.config.label_shift
 
     @property
     def num_drafts(self) -> int:

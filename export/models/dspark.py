@@ -8,8 +8,8 @@ DeepSpec's AcceptRatePredictor). `drafter.markov_w1` / `drafter.markov_w2` are s
 
 Label convention (the difference to DFlash): the block is [anchor, MASK x (gamma-1)] at positions
 p .. p+gamma-1 and block index k predicts the token at p+k+1, so gamma inputs give gamma drafts
-(`label_shift = 1`). The context K/V cover positions < p, exactly as DFlash (DeepSpec's training
-mask: context slots < anchor position, the whole block non-causally).
+(`label_shift = 1`, DeepSpec's convention). The context K/V cover positions < p, exactly as
+DFlash (DeepSpec's training mask: context slots < anchor position, the whole block non-causally).
 
 Per-position math, k = 0..gamma-1, h_k = the backbone's post-norm hidden (what the LM head reads):
     U_k = lm_head(h_k)                                        (the target's LM head, shared)
@@ -48,9 +48,13 @@ class DSparkConfig(DFlashConfig):
     markov_rank: int = 256
     markov_variant: str = "vanilla"
     confidence_with_markov: bool = True  # DeepSpec confidence_head_with_markov
+    convention: str = "deepspec"  # index k predicts p+k+1: gamma inputs give gamma drafts
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.convention != "deepspec":
+            raise SpecrtError(f"a DSpark drafter follows DeepSpec's block convention, not {self.convention!r}",
+                              "drop the convention field, or set it to 'deepspec'")
         variant = _VARIANT_ALIASES.get(str(self.markov_variant).lower(), str(self.markov_variant).lower())
         if variant not in MARKOV_VARIANTS:
             raise SpecrtError(
@@ -138,8 +142,6 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(DFlashDrafter):
-    label_shift = 1  # block index k predicts position p + k + 1
-
     def __init__(self, cfg: DSparkConfig) -> None:
         super().__init__(cfg)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, cfg.markov_variant)

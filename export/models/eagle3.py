@@ -26,6 +26,7 @@ predicts token j+2 (draft ids; map them with `draft_to_target`).
 Math of the single decoder layer (`midlayer`):
     x   = cat(input_layernorm(embed(ids)), hidden_norm(hidden))          [B, T, 2H]
     h1  = hidden + o_proj(attention(q/k/v projected from x))             residual is `hidden`
+          (`norm_before_residual`, the speculators / vLLM variant: residual is hidden_norm(hidden))
     out = h1 + mlp(post_attention_layernorm(h1));  logits = lm_head(norm(out))
 
 Embedding: official Llama EAGLE-3 checkpoints carry no embedding and use the target's, so by
@@ -72,6 +73,10 @@ class Eagle3Config:
     tap_layers: list[int] = field(default_factory=list)  # target hidden_states indices, 3 of them
     max_position_embeddings: int = 4096
     own_embedding: bool = False  # True: the checkpoint carries embed_tokens.weight
+    # speculators / vLLM variant: the residual around attention is hidden_norm(hidden), not hidden
+    norm_before_residual: bool = False
+    # the checkpoint format it was loaded from (provenance for the manifest; not part of the math)
+    checkpoint_format: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         fill_attention_dims(self, "EAGLE-3 config", "check the drafter's config.json")
@@ -122,6 +127,7 @@ class Eagle3MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         h = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, in_features=2 * h)
@@ -129,8 +135,10 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = MLP(h, cfg.intermediate_size)
 
     def forward(self, emb, hidden, cos, sin, k_cache, v_cache, write_slots, mask):
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        h1 = hidden + self.self_attn(x, cos, sin, k_cache, v_cache, write_slots, mask)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        h1 = residual + self.self_attn(x, cos, sin, k_cache, v_cache, write_slots, mask)
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
 

@@ -6,7 +6,8 @@ drafter's cache mirrors the target's. Drafting: the block [anchor, MASK x (Bk-1)
 p .. p+Bk-1 (p = the anchor's position), sees every context slot < p and the whole block
 (non-causal), and writes its own K/V into slots p.. which the next ingest overwrites.
 
-DFlash: block index k predicts position p+k, so logits[:, 1:] are the Bk-1 drafts; at T > 0 each
+DFlash: block index k predicts position p+k, so logits[:, 1:] are the Bk-1 drafts (DeepSpec's
+DFlash-mode drafters: p+k+1, all Bk rows are drafts; `config.label_shift` says which); at T > 0 each
 draft is sampled from q_k = `probabilities(logits_k, sampling)` (positions are independent given
 the block, so x_k ~ q_k holds exactly as chain verification needs).
 DSpark: gamma drafts through the Markov head (sequential in k), then confidence truncation: keep
@@ -70,8 +71,12 @@ class BlockProposer:
         self.name = "dspark" if self.is_dspark else "dflash"
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.block_size = drafter.config.block_size
+        # block index k predicts position p + k + label_shift: the config says whose convention (the
+        # torch module and its ORT twin share it)
+        self.label_shift = int(drafter.config.label_shift)
+        num_drafts = self.block_size - 1 + self.label_shift
         # a verify step costs about its token count on a CPU: capping the chain trades tau for step cost
-        self.max_drafts = min(drafter.num_drafts, max_drafts) if max_drafts else drafter.num_drafts
+        self.max_drafts = min(num_drafts, max_drafts) if max_drafts else num_drafts
         self.threshold = float(threshold)
         self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
         self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark chain round
@@ -131,7 +136,7 @@ class BlockProposer:
             keep = (survival >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)
         else:
             logits, _ = self.drafter(*args)
-            logits = logits[:, 1:]
+            logits = logits[:, 1 - self.label_shift:]
             if sampling.greedy:
                 tokens, probs = logits.argmax(-1), None
             else:
@@ -165,8 +170,9 @@ class BlockProposer:
             if self.is_dspark:
                 tree = self._markov_tree(logits[b], hidden[b], int(anchor[b]))
             else:
-                # block index k predicts depth k; one host copy of the depths the tree can reach
-                per_depth = logits[b, 1:self.max_drafts + 1].float().cpu()
+                # block index k predicts depth k + label_shift; one host copy of the depths the tree can reach
+                first = 1 - self.label_shift
+                per_depth = logits[b, first:first + self.max_drafts].float().cpu()
 
                 def expand(frontier: list[int], pool: DraftTree, per_depth=per_depth) -> torch.Tensor:
                     depth = int(pool.depths[frontier[0]])  # a frontier is one level of the tree
