@@ -1,38 +1,29 @@
-"""`python export/export.py --drafter {eagle3,dflash,dspark,none}`: the target and its drafter as ONNX.
+"""Export an engine folder: the target and its drafter as ONNX graphs, a manifest, the tokenizer.
 
-    python export/export.py --drafter dspark --drafter-ckpt PATH [--target PATH] [--out engines/NAME]
-                            [--dtype fp32|fp16] [--opset N] [--capacity N] [--external-data auto|always|never]
-    python -m specrt.export.export ...        (same; `python -m specrt.export` too)
+    export_engine("dspark", drafter_ckpt=PATH, target=None, out="engines/NAME", quant=..., draft_options=...)
 
-Without --target the embedded default (SmolLM2-135M-Instruct) is exported, with the drafter of
-that kind shipped in the package when there is one; otherwise pass --drafter-ckpt (an
-official-format drafter folder), or `--drafter none` to export only the target.
+The command line is `specrt export` (`specrt.tools.cli_export`). Without a target the embedded
+default (SmolLM2-135M-Instruct) is exported, with the drafter of that kind shipped in the package
+when there is one.
 
 Stages print as they finish (time, peak RSS, graph size). The output folder is written atomically:
-everything goes to a hidden temp folder beside --out, is validated (checker, shape inference,
+everything goes to a hidden temp folder beside `out`, is validated (checker, shape inference,
 manifest checksums), and only then renamed into place. A failed export leaves no folder that looks
 valid and never touches an existing one.
 """
 
 from __future__ import annotations
 
-import sys
-
-if __name__ == "__main__" and not __package__:
-    # run as a file: do not let export/ shadow top-level modules; import through the specrt package
-    sys.path.pop(0)
-
-import argparse
 import os
 import shutil
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from specrt.plugins.errors import SpecrtError, run_reporting_errors
-from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_THRESHOLD, DEFAULT_LOOKUP_TOKENS
+from specrt.plugins.errors import SpecrtError
+from specrt.export.draft_options import DraftOptions
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")
 _DTYPE_FLAGS = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16"}
@@ -40,55 +31,6 @@ NO_DRAFTER_HINT = (
     "pass --drafter-ckpt PATH (an official-format EAGLE-3 / DFlash / DSpark drafter folder: config.json + "
     "model.safetensors), train one with `specrt train dflash|dspark|eagle3`, or use `--drafter none` to export only the target"
 )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drafter", required=True, choices=DRAFTER_KINDS,
-                        help="drafter kind to export with the target ('none': the target alone)")
-    parser.add_argument("--target", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--drafter-ckpt", default=None,
-                        help="drafter checkpoint folder (official format; default: the shipped one, if any)")
-    parser.add_argument("--out", default=None, help="engine folder (default: engines/<target>-<drafter>)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPE_FLAGS), help="weights and K/V cache dtype")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX default-domain opset (18-23, default 20)")
-    parser.add_argument("--capacity", type=int, default=None,
-                        help="K/V cache capacity recorded for the runtime (default: max_position_embeddings)")
-    parser.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                        help="store weights beside the graph (auto: graphs over 512 MiB)")
-    # the default tree is sized for a CPU, where verify cost grows with every token (measured in
-    # docs/numbers.md: 4/4/16 ran at 0.74x of plain decoding, 2/2/4 at 0.98x); GPUs want wider trees
-    parser.add_argument("--tree-top-k", type=int, default=2, help="EAGLE-3 tree: children per node (manifest default)")
-    parser.add_argument("--tree-depth", type=int, default=2, help="EAGLE-3 tree: depth (manifest default)")
-    parser.add_argument("--tree-tokens", type=int, default=4, help="EAGLE-3 tree: verify tokens (manifest default)")
-    parser.add_argument("--threshold", type=float, default=0.0, help="DSpark survival threshold (manifest default)")
-    parser.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP_TOKENS,
-                        help="drafts copied from the request's own text per step, grafted onto the drafter's "
-                             "(manifest default; 0: off; specrt.runtime.proposers.lookup)")
-    parser.add_argument("--lookup-threshold", type=float, default=DEFAULT_LOOKUP_THRESHOLD,
-                        help="verify a copied draft while its estimated survival is at least this (manifest default)")
-    q = parser.add_argument_group("weight quantization (ONNX Runtime MatMulNBits; see specrt.export.quantize)")
-    q.add_argument("--weights", default="fp32", choices=("fp32", "fp16", "int8", "int4", "w8a8", "gguf"),
-                   help="weights of the linear layers: fp32/fp16 (= --dtype), int8/int4 (RTN, weight-only), w8a8 "
-                        "(int8 weights and per-token int8 activations in integer MatMuls: verify rows nearly free "
-                        "on CPUs with AMX/VNNI; specrt.export.integer_matmul) or gguf (the GGUF target's own "
-                        "Q4_0/Q4_1/Q8_0 blocks, bit for bit)")
-    q.add_argument("--quant-block", type=int, default=32, help="int8/int4: weights per scale block along K")
-    q.add_argument("--quant-asymmetric", action="store_true", help="int8/int4: zero points per block (default symmetric)")
-    q.add_argument("--no-quant-lm-head", action="store_true", help="int8/int4: keep the LM head in float")
-    q.add_argument("--drafter-weights", default="same", choices=("same", "fp32", "int8", "int4", "w8a8"),
-                   help="the drafter's graphs: same as --weights, or their own (e.g. an fp32 target with an int4 "
-                        "drafter: drafting gets cheaper, verification stays fp32, so output is unchanged)")
-    q.add_argument("--quant-accuracy-level", type=int, default=4, choices=(0, 1, 2, 3, 4),
-                   help="MatMulNBits compute: 4 = int8 activations (fastest on CPU), 0 = float activations")
-    parser.add_argument("--no-ort-fused", action="store_true",
-                        help="skip target_ort, the ONNX Runtime contrib-op target graph (specrt.export.ort_fused) "
-                             "that runs single streams ~1.5-2x faster on ORT's CPU provider; the portable graph "
-                             "(any ONNX runtime, TensorRT) is always written")
-    parser.add_argument("--no-lookup-files", action="store_true",
-                        help="skip lookup.json and datastore.npz (copy hit rates and the 16 MB store of the target's "
-                             "own answers, written for a target whose data specrt ships): copies then start from a "
-                             "flat prior and come from the request's own text only")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 class _Stages:
@@ -189,8 +131,6 @@ def export_engine(
     opset: int | None = None,
     capacity: int | None = None,
     external_data: str = "auto",
-    tree: dict | None = None,
-    threshold: float = 0.0,
     quiet: bool = False,
     loaded_target=None,
     drafter_model=None,
@@ -198,10 +138,16 @@ def export_engine(
     quant=None,
     drafter_quant="same",
     ort_fused: bool = True,
-    lookup: dict | None = None,
-    lookup_files: bool = True,
+    draft_options: DraftOptions | None = None,
+    extra_files: Callable[[Path, str], str | None] | None = None,
 ) -> Path:
-    """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests)."""
+    """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests).
+
+    draft_options: the drafting defaults the folder records (`specrt.export.draft_options`).
+    extra_files(folder, target_name): writes more files into the folder before its manifest is built
+    (the CLI passes the copy datastore and hit rates, which the runtime's proposers compute); returns a
+    note for the progress line, or None when it wrote nothing.
+    """
     import torch
 
     from specrt.export import manifest as mf
@@ -226,6 +172,7 @@ def export_engine(
     if drafter_kind == "none" and drafter_ckpt is not None:
         raise SpecrtError("--drafter none was given together with --drafter-ckpt",
                           "pass --drafter eagle3|dflash|dspark with the checkpoint, or drop --drafter-ckpt")
+    draft_options = draft_options or DraftOptions()
     stages = _Stages(quiet)
 
     # 1. load (nothing is written before both models are known to fit)
@@ -306,6 +253,9 @@ def export_engine(
                                        gguf_blocks=gguf_blocks if scheme is quant else None)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> {q['op']}, {size / 2**20:.1f} MB"
+        if extra_files is not None:
+            with stages.stage("extra files") as info:
+                info["note"] = extra_files(tmp, loaded_target.name)
         with stages.stage("tokenizer, manifest, checksums"):
             loaded_target.tokenizer.save(tmp)
             drafter_info = None
@@ -319,14 +269,7 @@ def export_engine(
                     np.save(tmp / "draft_to_target.npy", ids.astype(np.int64))
                     extra["draft_vocab"] = {"file": "draft_to_target.npy", "size": int(ids.shape[0]),
                                             "meaning": "target id of each draft id"}
-                    t = {"top_k": 2, "depth": 2, "total_tokens": 4, **(tree or {})}
-                    extra["tree"] = t
-                    extra["num_drafts"] = t["total_tokens"] - 1
-                if lookup:
-                    extra["lookup"] = dict(lookup)
-                if drafter_kind == "dspark":
-                    extra["policy"] = {"threshold": float(threshold), "sps": None,
-                                       "note": "sps: a table of steps/s by verify tokens, profiled per device"}
+                    extra["num_drafts"] = draft_options.tree_tokens - 1
                 drafter_info = mf.drafter_section(
                     drafter, str(Path(drafter_ckpt).resolve()) if drafter_ckpt else None, cfg, roles, extra
                 )
@@ -345,10 +288,9 @@ def export_engine(
                 chat_template=loaded_target.tokenizer.chat_template, graphs=exported,
                 drafter_info=drafter_info, export_options=options,
             )
+            manifest["drafting"] = draft_options.manifest_record()
             mf.write_manifest(tmp, manifest)
             mf.load_manifest(tmp)  # the folder must pass the runtime's own checks before it goes live
-        if lookup_files:
-            _write_lookup_files(stages, tmp, loaded_target.name)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -357,87 +299,3 @@ def export_engine(
     stages.print(f"[bold]{out}[/bold]: {len(exported)} graphs, {total / 2**20:.1f} MB, "
                  f"{time.perf_counter() - stages.start:.1f} s, peak RSS {peak_rss_mb():.0f} MB")
     return out
-
-
-def _write_lookup_files(stages, folder: Path, target_name: str) -> None:
-    """lookup.json + datastore.npz (copy hit rates and the store of the target's own answers) when
-    specrt ships a data set this target generated: the lookup then starts calibrated, as after
-    `specrt calibrate`. Written after the manifest, like calibrate's files: outside the checksums."""
-    from specrt.runtime.proposers.lookup_prior import shipped_data_for, write_lookup_files
-
-    data = shipped_data_for(target_name)
-    if not data:
-        return
-    with stages.stage("copy hit rates and datastore (shipped data sets)") as info:
-        write_lookup_files(data, folder, progress=lambda message: None)  # the stage line reports it
-        info["note"] = f"{len(data)} data sets"
-
-
-def quant_options(args: argparse.Namespace):
-    """QuantOptions for --weights int8/int4 (None for float weights); --weights fp16 means --dtype fp16."""
-    if args.weights in ("fp32", "fp16"):
-        if args.weights == "fp16" and args.dtype not in ("fp16", "float16"):
-            args.dtype = "fp16"
-        return None
-    return _rtn_options(args, args.weights, "--weights")
-
-
-def _rtn_options(args: argparse.Namespace, weights: str, flag: str):
-    """QuantOptions for `weights` (int8/int4/gguf) with the shared --quant-* flags; fp32 graphs only."""
-    if args.dtype not in ("fp32", "float32"):
-        raise SpecrtError(f"{flag} {weights} quantizes fp32 graphs, not --dtype {args.dtype}",
-                          "drop --dtype (quantized weights run with fp32 activations and norms)")
-    from specrt.export.quantize import QuantOptions
-
-    return QuantOptions(weights, args.quant_block, not args.quant_asymmetric, args.quant_accuracy_level,
-                        lm_head=not args.no_quant_lm_head)
-
-
-def drafter_quant_options(args: argparse.Namespace, quant):
-    """The drafter graphs' QuantOptions: "same" as the target's, None for float, or their own int8/int4."""
-    if args.drafter_weights == "same":
-        return quant
-    if args.drafter_weights == "fp32":
-        if args.dtype not in ("fp32", "float32"):
-            raise SpecrtError(f"--drafter-weights fp32 with --dtype {args.dtype}",
-                              "drop --drafter-weights (the drafter follows --dtype) or export with --dtype fp32")
-        return None
-    return _rtn_options(args, args.drafter_weights, "--drafter-weights")
-
-
-def lookup_defaults(args: argparse.Namespace) -> dict | None:
-    """The manifest's `drafter.lookup` record from --lookup / --lookup-threshold (None: off)."""
-    from specrt.runtime.proposers.factory import DraftOptions
-
-    if args.lookup <= 0:
-        return None
-    return DraftOptions(lookup=args.lookup, lookup_threshold=args.lookup_threshold).lookup_manifest()
-
-
-def run(args: argparse.Namespace) -> int:
-    quant = quant_options(args)
-    drafter_quant = drafter_quant_options(args, quant)
-    if args.drafter == "none" and args.drafter_weights != "same":
-        raise SpecrtError(f"--drafter-weights {args.drafter_weights} without a drafter",
-                          "pass --drafter KIND, or drop --drafter-weights")
-    lookup_defaults(args)  # bad values fail before the long export
-    export_engine(
-        args.drafter, target=args.target, drafter_ckpt=args.drafter_ckpt, out=args.out, dtype=args.dtype,
-        opset=args.opset, capacity=args.capacity, external_data=args.external_data,
-        tree={"top_k": args.tree_top_k, "depth": args.tree_depth, "total_tokens": args.tree_tokens},
-        threshold=args.threshold, quiet=args.quiet, command=list(sys.argv), quant=quant,
-        drafter_quant=drafter_quant, ort_fused=not args.no_ort_fused, lookup=lookup_defaults(args),
-        lookup_files=not args.no_lookup_files,
-    )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specrt export", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_reporting_errors("specrt export", lambda: run(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

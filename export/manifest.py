@@ -50,7 +50,7 @@ FORMAT = "specrt.engine"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
-_REEXPORT = "re-export the engine folder: python export/export.py --drafter KIND [--target ...] --out FOLDER"
+_REEXPORT = "re-export the engine folder: specrt export --drafter KIND [--target ...] --out FOLDER"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -270,7 +270,7 @@ def load_manifest(folder: str | Path, verify_checksums: bool = True) -> EngineMa
     path = folder / MANIFEST
     if not folder.is_dir():
         raise SpecrtError(f"engine folder not found: {folder}",
-                          "export one first: python export/export.py --drafter KIND")
+                          "export one first: specrt export --drafter KIND")
     if not path.is_file():
         raise SpecrtError(f"{path} does not exist: {folder} is not an exported engine folder "
                           "(or its export did not finish)", _REEXPORT)
@@ -287,7 +287,7 @@ def load_manifest(folder: str | Path, verify_checksums: bool = True) -> EngineMa
             f"{source} has format_version {version!r}; this specrt reads "
             f"{', '.join(str(v) for v in SUPPORTED_VERSIONS)}",
             "upgrade specrt to read it, or re-export the folder with this specrt "
-            "(python export/export.py --drafter KIND --out FOLDER)",
+            "(specrt export --drafter KIND --out FOLDER)",
         )
     files = _require(data, "files", dict, "", source)
     target = _require(data, "target", dict, "", source)

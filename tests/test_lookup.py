@@ -11,7 +11,8 @@ import torch
 from specrt.plugins.errors import SpecrtError
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.base import Proposal
-from specrt.runtime.proposers.factory import DraftOptions, load_proposer, proposer_for
+from specrt.export.draft_options import DraftOptions
+from specrt.runtime.proposers.factory import load_proposer, proposer_for
 from specrt.runtime.proposers.lookup import (
     HitRecord,
     LookupChain,

@@ -17,7 +17,8 @@ from _onnx_tiny import make_drafters, make_target, write_hf_target
 from specrt.export import manifest as mf
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.plugins.errors import SpecrtError
-from specrt.export.export import export_engine, main
+from specrt.export.export import export_engine
+from specrt.tools.cli_export import main
 
 pytest.importorskip("onnxruntime")
 logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -227,9 +228,7 @@ def test_target_only_export_replaces_an_engine_folder(engine, sources, tmp_path)
 
 
 def test_cli_entry_points():
-    for cmd in ([sys.executable, str(REPO / "export" / "export.py"), "--help"],
-                [sys.executable, "-m", "specrt.export.export", "--help"],
-                [sys.executable, "-m", "specrt.export", "--help"]):
+    for cmd in (["specrt", "export", "--help"], [sys.executable, "-m", "specrt.tools", "export", "--help"]):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr
         assert "--drafter" in out.stdout and "--drafter-ckpt" in out.stdout

@@ -13,7 +13,7 @@ import torch
 from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.plugins.errors import SpecrtError
-from specrt.export.export import main as export_main
+from specrt.tools.cli_export import main as export_main
 from specrt.runtime.backends.ort_models import split_window_mask
 from specrt.runtime.pipeline import Pipeline
 from specrt.runtime.sampling import SamplingParams
@@ -96,7 +96,7 @@ def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, ki
 
 
 def test_dflash_trees_on_engines_equal_plain_and_dspark_trees_ask_for_torch(folders):
-    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.export.draft_options import DraftOptions
 
     plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
     tree = DraftOptions(tree_tokens=8, block_tree_top_k=3)
@@ -115,7 +115,7 @@ def test_int8_activation_engines_turn_every_tree_into_a_chain(monkeypatch):
 
     from specrt.runtime.backends.ort_backend import OrtEngines
     from specrt.runtime.proposers import factory
-    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.export.draft_options import DraftOptions
 
     seen = []
     monkeypatch.setattr(factory, "proposer_for", lambda kind, drafter, options, **kw: seen.append(options))
@@ -130,7 +130,7 @@ def test_int8_activation_engines_turn_every_tree_into_a_chain(monkeypatch):
 
 
 def torch_spec_options(pipe: Pipeline):
-    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.export.draft_options import DraftOptions
 
     p = pipe.proposer
     if p.name == "eagle3":

@@ -11,7 +11,7 @@ import torch
 from _onnx_tiny import TARGET_CFG, last_logits, make_drafters, make_sharp_target, make_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.plugins.errors import SpecrtError
-from specrt.export.export import main as export_main
+from specrt.tools.cli_export import main as export_main
 from specrt.export.manifest import load_manifest
 from specrt.export.models.llama import LlamaModel
 from specrt.export.ort_fused import GRAPH_NAME, build_graph, export_fused_target, supports

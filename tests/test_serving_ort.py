@@ -18,7 +18,7 @@ import pytest
 import torch
 from _onnx_tiny import make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
-from specrt.export.export import main as export_main
+from specrt.tools.cli_export import main as export_main
 from specrt.tools.cli import main as cli_main
 from specrt.runtime.pipeline import Pipeline
 from specrt.runtime.scheduler import SpsTable

@@ -15,7 +15,7 @@ import torch
 from _onnx_tiny import TARGET_CFG, last_logits, make_drafters, make_sharp_target, write_hf_target
 from specrt.export.checkpoints.drafters import save_drafter
 from specrt.plugins.errors import SpecrtError
-from specrt.export.export import main as export_main
+from specrt.tools.cli_export import main as export_main
 from specrt.export.integer_matmul import integer_matmuls, quantize_columns
 from specrt.export.quantize import QuantOptions
 from specrt.runtime.pipeline import Pipeline

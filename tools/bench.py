@@ -95,25 +95,10 @@ def parse_drafters(text: str) -> dict[str, str | None]:
 
 def draft_options(args: argparse.Namespace, base=None):
     """Flags given on the command line override the engine folder's (or the library's) defaults."""
-    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.export.draft_options import DraftOptions, resolve
+    from specrt.tools.draft_flags import draft_flags
 
-    base = base or DraftOptions()
-    return DraftOptions(
-        args.tree_top_k if args.tree_top_k is not None else base.tree_top_k,
-        args.tree_depth if args.tree_depth is not None else base.tree_depth,
-        args.tree_tokens if args.tree_tokens is not None else base.tree_tokens,
-        args.confidence_threshold if args.confidence_threshold is not None else base.confidence_threshold,
-        getattr(args, "max_drafts", None) or base.max_drafts,  # bench-serving reuses this without --max-drafts
-        block_tree_top_k=getattr(args, "block_tree_top_k", None) or base.block_tree_top_k,
-        lookup=_given(args, "lookup", base.lookup), lookup_threshold=_given(args, "lookup_threshold", base.lookup_threshold),
-        lookup_min_match=base.lookup_min_match, lookup_max_match=base.lookup_max_match,
-        lookup_alone_above=base.lookup_alone_above,
-    )
-
-
-def _given(args: argparse.Namespace, name: str, default):
-    value = getattr(args, name, None)
-    return default if value is None else value
+    return resolve(base or DraftOptions(), draft_flags(args))
 
 
 def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -> None:
@@ -128,7 +113,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
 
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.factory import lookup_proposer, with_lookup
-    from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+    from specrt.export.draft_options import DEFAULT_LOOKUP_TOKENS
     from specrt.runtime.backends.ort_backend import with_folder_lookup
     from specrt.runtime.proposers.datastore import DATASTORE_FILE
 
@@ -178,7 +163,7 @@ def build_pipelines(args: argparse.Namespace):
     backend = args.backend if args.backend != "auto" else ("ort" if args.engines else "torch")
     if backend == "ort":
         from specrt.export.manifest import load_manifest
-        from specrt.runtime.backends.ort_backend import manifest_draft_defaults
+        from specrt.export.draft_options import from_manifest
 
         folders = [f for f in args.engines.split(",") if f]
         if not folders:
@@ -194,7 +179,7 @@ def build_pipelines(args: argparse.Namespace):
         for folder in folders:
             data = manifests[folder]
             pipe = Pipeline.from_engines(folder, args.device, args.threads,
-                                         draft_options=draft_options(args, manifest_draft_defaults(data)))
+                                         draft_options=draft_options(args, from_manifest(data)))
             suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
             label = "plain" + suffix
             if pipe.proposer is None and (label in plains or suffix in drafted_formats):

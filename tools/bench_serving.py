@@ -111,7 +111,7 @@ def build(args: argparse.Namespace):
             drafted["lookup"] = plains["plain"].with_proposer(lookup_proposer(lookup_options(args, None)))
         return plains["plain"], drafted, backend, {}
     from specrt.export.manifest import load_manifest
-    from specrt.runtime.backends.ort_backend import manifest_draft_defaults
+    from specrt.export.draft_options import from_manifest
     from specrt.runtime.pipeline import Pipeline
 
     folders = [f for f in args.engines.split(",") if f]
@@ -120,7 +120,7 @@ def build(args: argparse.Namespace):
                           "export engines first: specrt export --drafter KIND --out engines/NAME")
     plain, drafted, where = None, {}, {}
     for folder in folders:
-        defaults = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data)
+        defaults = from_manifest(load_manifest(folder, verify_checksums=False).data)
         pipe = Pipeline.from_engines(folder, args.device, args.threads, draft_options=draft_options(args, defaults))
         if pipe.proposer is not None:
             if pipe.proposer.name in drafted:
@@ -144,11 +144,11 @@ def lookup_options(args: argparse.Namespace, folder: str | None):
     import dataclasses
 
     from specrt.export.manifest import load_manifest
-    from specrt.runtime.backends.ort_backend import manifest_draft_defaults
-    from specrt.runtime.proposers.factory import DraftOptions
-    from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
+    from specrt.export.draft_options import from_manifest
+    from specrt.export.draft_options import DraftOptions
+    from specrt.export.draft_options import DEFAULT_LOOKUP_TOKENS
 
-    base = manifest_draft_defaults(load_manifest(folder, verify_checksums=False).data) if folder else DraftOptions()
+    base = from_manifest(load_manifest(folder, verify_checksums=False).data) if folder else DraftOptions()
     return dataclasses.replace(base, lookup=args.lookup or base.lookup or DEFAULT_LOOKUP_TOKENS)
 
 

@@ -55,8 +55,8 @@ def build_variants(args: argparse.Namespace):
     from specrt.runtime.pipeline import Pipeline
     from specrt.runtime.proposers.datastore import datastore_from_samples
     from specrt.runtime.proposers.factory import lookup_proposer
-    from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_TOKENS
-    from specrt.runtime.proposers.lookup_prior import read_data_sets, shipped_data_for
+    from specrt.export.draft_options import DEFAULT_LOOKUP_TOKENS
+    from specrt.tools.copy_files import read_data_sets, shipped_data_for
 
     data = load_manifest(args.engines, verify_checksums=False).data
     folders = [Path(f) for f in args.data.split(",") if f] if args.data else shipped_data_for(data["target"]["name"])

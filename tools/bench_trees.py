@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 
 from specrt.runtime.pipeline import Pipeline
-from specrt.runtime.proposers.factory import DraftOptions, proposer_for
+from specrt.export.draft_options import DraftOptions
+from specrt.runtime.proposers.factory import proposer_for
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, float]]:

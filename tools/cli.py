@@ -11,7 +11,7 @@ import importlib
 
 SUBCOMMANDS = {
     "generate": ("specrt.tools.cli_generate", "generate text from an engine folder (or a checkpoint), speculatively, and print its speed"),
-    "export": ("specrt.export.export", "export the target and a drafter to ONNX (engines/NAME)"),
+    "export": ("specrt.tools.cli_export", "export the target and a drafter to ONNX (engines/NAME)"),
     "build": ("specrt.export.build", "build TensorRT plans (with specrt's plugins) for an engine folder"),
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
     "bench": ("specrt.tools.bench", "tau, acceptance per position and speedup on MT-bench"),

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specrt.runtime.proposers.lookup import DEFAULT_LOOKUP_THRESHOLD, DEFAULT_LOOKUP_TOKENS
+from specrt.tools.draft_flags import add_draft_arguments, resolve_draft_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=int, default=None, help="KV cache slots (default: prompt + max-new-tokens + margin)")
     d.add_argument("--speedup", action="store_true",
                    help="afterwards, time plain decoding of the same prompt and print the speedup")
-    d.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: at most this many drafts per step")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "torch")):
@@ -50,26 +49,12 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="weight dtype for the torch backend")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
     p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files at load")
-    d = p.add_argument_group("speculative decoding")
+    d = p.add_argument_group("speculative decoding", "each drafting flag given overrides the engine folder's recorded default of the same name; the rest stay the folder's")
     d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark", "lookup"],
                    help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding; lookup: "
                    "no drafter, drafts copied from the prompt and the text so far")
     d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
-    d.add_argument("--tree-top-k", type=int, default=4, help="EAGLE-3: children per node and frontier width")
-    d.add_argument("--tree-depth", type=int, default=5, help="EAGLE-3: deepest draft position")
-    d.add_argument("--tree-tokens", type=int, default=16,
-                   help="EAGLE-3 and block trees: verify tokens per step (anchor included)")
-    d.add_argument("--block-tree-top-k", type=int, default=1,
-                   help="DSpark/DFlash: candidates per draft position, grown into a tree of --tree-tokens "
-                   "(1: a chain; DSpark trees need --backend torch)")
-    d.add_argument("--confidence-threshold", type=float, default=0.1,
-                   help="DSpark/DFlash/EAGLE-3 chains (--tree-top-k 1): verify drafts while their survival "
-                   "probability stays above this")
-    d.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP_TOKENS,
-                   help="drafts copied from the request's own text per step, grafted onto the drafter's (0: off; "
-                   "--drafter lookup: the chain length). Engine folders: the manifest's default unless given")
-    d.add_argument("--lookup-threshold", type=float, default=DEFAULT_LOOKUP_THRESHOLD,
-                   help="verify a copied draft while its estimated survival stays at least this")
+    add_draft_arguments(d)
     return d
 
 
@@ -105,24 +90,6 @@ def build_pipeline(args: argparse.Namespace, options):
     return Pipeline.from_checkpoint(args.target, drafter, args.drafter_ckpt, args.device, DTYPES[args.dtype], options)
 
 
-def explicit_draft_options(args: argparse.Namespace):
-    """DraftOptions from the flags, or None (the engine folder's recorded defaults) when none was given."""
-    given = any(f in sys.argv for f in ("--tree-top-k", "--tree-depth", "--tree-tokens", "--confidence-threshold",
-                                        "--max-drafts", "--block-tree-top-k", "--lookup", "--lookup-threshold"))
-    if args.engines and not given:
-        return None
-    return options_from_args(args)
-
-
-def options_from_args(args: argparse.Namespace):
-    from specrt.runtime.proposers.factory import DraftOptions
-
-    return DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
-                        getattr(args, "max_drafts", None),  # serve/calibrate reuse this without --max-drafts
-                        block_tree_top_k=args.block_tree_top_k, lookup=args.lookup,
-                        lookup_threshold=args.lookup_threshold)
-
-
 def run(args: argparse.Namespace) -> int:
     from specrt.plugins.errors import SpecrtError
     from specrt.runtime.sampling import SamplingParams
@@ -131,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     # validate everything cheap before loading anything
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    options_from_args(args)
+    options = resolve_draft_options(args, args.engines)
     if args.max_new_tokens < 1:
         raise SpecrtError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", "ask for at least one token")
     resolve_backend(args)
@@ -139,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     start = time.perf_counter()
-    pipe = build_pipeline(args, explicit_draft_options(args))
+    pipe = build_pipeline(args, options)
     print(f"loaded {pipe.name} ({pipe.backend}) in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if pipe.proposer is not None:
         print(f"drafter: {pipe.proposer.name}", file=sys.stderr)

@@ -68,14 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_pipeline(args: argparse.Namespace):
     import torch
     from specrt.runtime.serving.loading import set_batch_mode
-    from specrt.tools.cli_generate import build_pipeline, explicit_draft_options
-    from specrt.runtime.proposers.factory import DraftOptions
+    from specrt.tools.cli_generate import build_pipeline
+    from specrt.tools.draft_flags import resolve_draft_options
 
-    DraftOptions(args.tree_top_k, args.tree_depth, args.tree_tokens, args.confidence_threshold,
-                 block_tree_top_k=args.block_tree_top_k)
+    options = resolve_draft_options(args, args.engines)  # bad values fail before loading
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = build_pipeline(args, explicit_draft_options(args))
+    pipe = build_pipeline(args, options)
     set_batch_mode(pipe, getattr(args, "shared_batches", False))
     if pipe.host_threads is not None:
         # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)

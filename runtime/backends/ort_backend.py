@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specrt.plugins.errors import SpecrtError
+from specrt.export.draft_options import from_manifest
 from specrt.export.manifest import EngineManifest, load_manifest
 from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
 from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions
@@ -55,7 +56,7 @@ class OrtEngines:
         lookup proposer instead, which needs no drafter graph."""
         from specrt.runtime.proposers.factory import lookup_proposer, proposer_for
 
-        options = with_folder_lookup(options or manifest_draft_defaults(self.manifest.data), self.folder,
+        options = with_folder_lookup(options or from_manifest(self.manifest.data), self.folder,
                                      free_first=self.target.two_row_decode,
                                      vocab_size=int(self.target.config.vocab_size))
         if lookup_only:
@@ -118,27 +119,6 @@ def exact_block_chain_options(options):
         "int8-activation engine: the block drafter drafts a chain (block tree top-k %d -> 1) so the output stays "
         "identical to plain decoding", options.block_tree_top_k)
     return dataclasses.replace(options, block_tree_top_k=1)
-
-
-def manifest_draft_defaults(data: dict[str, Any]):
-    """DraftOptions from a manifest's recorded defaults (EAGLE-3 tree shape, DSpark threshold)."""
-    from specrt.runtime.proposers.factory import DraftOptions
-
-    section = data.get("drafter") or {}
-    tree = section.get("tree") or {}
-    policy = section.get("policy") or {}
-    lookup = section.get("lookup") or {}  # folders exported before lookup existed: off
-    defaults = DraftOptions()
-    return DraftOptions(
-        tree_top_k=int(tree.get("top_k", 4)), tree_depth=int(tree.get("depth", 5)),
-        tree_tokens=int(tree.get("total_tokens", 16)),
-        confidence_threshold=float(policy.get("threshold") or 0.0),
-        lookup=int(lookup.get("max_tokens", 0)),
-        lookup_threshold=float(lookup.get("threshold", defaults.lookup_threshold)),
-        lookup_min_match=int(lookup.get("min_match", defaults.lookup_min_match)),
-        lookup_max_match=int(lookup.get("max_match", defaults.lookup_max_match)),
-        lookup_alone_above=float(lookup.get("alone_above", defaults.lookup_alone_above)),
-    )
 
 
 def load_engines(folder: str | Path, options: SessionOptions | None = None, with_drafter: bool = True,

@@ -258,12 +258,12 @@ class TrtEngines:
         return str(self.manifest.data.get("name", self.folder.name))
 
     def proposer(self, options: Any = None) -> Any:
-        from specrt.runtime.backends.ort_backend import manifest_draft_defaults
+        from specrt.export.draft_options import from_manifest
         from specrt.runtime.proposers.factory import proposer_for
 
         if self.drafter is None or self.drafter_kind is None:
             return None
-        return proposer_for(self.drafter_kind, self.drafter, options or manifest_draft_defaults(self.manifest.data))
+        return proposer_for(self.drafter_kind, self.drafter, options or from_manifest(self.manifest.data))
 
 
 def plan_records(manifest: dict[str, Any], folder: Path) -> dict[str, dict[str, Any]]:

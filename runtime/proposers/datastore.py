@@ -193,7 +193,7 @@ def load_datastore_for(folder: str | Path | None, vocab_size: int | None = None)
 
 def datastore_from_samples(samples: Sequence[dict], source: str, exclude=None, **settings) -> NgramDatastore:
     """A store over the responses of built data-set samples (`specrt train data` shards, read by
-    `lookup_prior.read_data_sets`); `exclude(sample_id)` leaves samples out (the calibration replays
+    `specrt.tools.copy_files.read_data_sets`); `exclude(sample_id)` leaves samples out (the calibration replays
     held-out ones against a store without them)."""
     responses = [s["response"] for s in samples if exclude is None or not exclude(s["id"])]
     return NgramDatastore.build(responses, meta={"source": source}, **settings)

@@ -56,7 +56,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specrt.plugins.errors import SpecrtError
+from specrt.export.draft_options import (
+    DEFAULT_ALONE_ABOVE,
+    DEFAULT_LOOKUP_THRESHOLD,
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_MATCH,
+    DEFAULT_MIN_MATCH,
+    check_lookup_settings,
+)
 from specrt.runtime.proposers.base import Proposal, _depth
 from specrt.runtime.sampling import SamplingParams
 
@@ -67,24 +74,7 @@ if TYPE_CHECKING:
     from specrt.runtime.proposers.datastore import NgramDatastore
     from specrt.runtime.proposers.lookup_prior import LookupPrior
 
-DEFAULT_LOOKUP_TOKENS = 16
-DEFAULT_MIN_MATCH = 1
-DEFAULT_MAX_MATCH = 8
-DEFAULT_LOOKUP_THRESHOLD = 0.15  # verify a copied token while its estimated survival is at least this
 STORE_MAX_TOKENS = 8  # copies from the datastore per step at most (its hit rates fall fast with depth)
-DEFAULT_ALONE_ABOVE = 0.8  # a copy whose first token is this likely right is verified without the drafter's
-
-
-def check_lookup_settings(max_tokens: int, min_match: int, max_match: int, threshold: float) -> None:
-    if max_tokens < 1:
-        raise SpecrtError(f"lookup drafts per step must be >= 1, got {max_tokens}",
-                          "pass --lookup N with N >= 1 (0 turns lookup off)")
-    if not 1 <= min_match <= max_match:
-        raise SpecrtError(f"bad lookup match lengths: min {min_match}, max {max_match}",
-                          "use 1 <= --lookup-min-match <= --lookup-max-match")
-    if not 0.0 <= threshold <= 1.0:
-        raise SpecrtError(f"lookup threshold {threshold} is outside [0, 1]",
-                          "pass --lookup-threshold between 0 (verify every copied token) and 1")
 
 
 class NgramIndex:
