@@ -1,0 +1,90 @@
+"""`specrt serve --ray`: the same OpenAI server, its engine in Ray Serve replicas (docs/ray.md).
+
+    specrt serve --engines engines/NAME --ray --replicas 2              (starts a local one-node cluster)
+    specrt serve --engines engines/NAME --ray --autoscale 1,4 --ray-address auto   (joins `ray start --head`)
+
+The flags live in cli_serve.py; this module checks them, builds the application
+(`specrt.runtime.serving.ray_app`) and keeps it up until Ctrl-C. Each replica loads its pipeline with
+`cli_serve.load_pipeline(args)` on its own node: the engine folder's path must exist there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+from specrt.plugins.errors import SpecrtError
+
+DEFAULT_REPLICA_THREADS = 1  # one replica per core: replicas, not threads, are what Ray spreads over machines
+
+
+def ray_requested(args: argparse.Namespace) -> bool:
+    """True with --ray; Ray-only flags without it are an error (they would be ignored)."""
+    given = [f for f, v in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
+                            ("--ray-address", args.ray_address)) if v is not None]
+    if given and not args.ray:
+        raise SpecrtError(f"{', '.join(given)} only apply to Ray Serve", "add --ray, or drop them")
+    return bool(args.ray)
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecrtError(f"--autoscale takes MIN,MAX replicas, got {text!r}", "e.g. --autoscale 1,4") from None
+    if not 0 <= low <= high or high < 1:
+        raise SpecrtError(f"--autoscale {text}: need 0 <= MIN <= MAX and MAX >= 1", "e.g. --autoscale 1,4")
+    return low, high
+
+
+def settings_from(args: argparse.Namespace):
+    from specrt.runtime.serving.ray_app import IngressSettings, ReplicaSettings, Scaling
+
+    if args.backend not in ("ort",) or not args.engines:
+        raise SpecrtError("--ray serves engine folders (ONNX Runtime)", "pass --engines engines/NAME")
+    if args.replicas is not None and args.replicas < 1:
+        raise SpecrtError(f"--replicas must be >= 1, got {args.replicas}", "e.g. --replicas 2")
+    args.threads = args.threads or DEFAULT_REPLICA_THREADS
+    replica = ReplicaSettings(slots=args.slots, capacity=args.capacity, schedule=args.schedule, sps=args.sps,
+                              engines=args.engines, draft_gate=not args.no_draft_gate,
+                              measured_gate=not args.no_measured_gate, threads=args.threads)
+    ingress = IngressSettings(args.model_name, args.default_max_tokens, args.request_timeout, args.max_queue)
+    scaling = Scaling(args.replicas or 1, parse_autoscale(args.autoscale) if args.autoscale else None)
+    return replica, ingress, scaling
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    from specrt.tools.cli_serve import load_pipeline
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SpecrtError("--ray needs Ray Serve", "pip install 'specrt[ray]'") from None
+    from specrt.runtime.serving import ray_app
+
+    replica, ingress, scaling = settings_from(args)
+    start = time.perf_counter()
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")
+    own_cluster = args.ray_address is None
+    try:
+        app = ray_app.build_app(functools.partial(load_pipeline, args), replica, ingress, scaling)
+        ray_app.deploy(app, args.host, args.port)
+        replicas = ray_app.wait_healthy()
+        count = (f"{scaling.autoscale[0]}..{scaling.autoscale[1]} replicas (autoscaled)" if scaling.autoscale
+                 else f"{replicas.get('EngineReplica', 0)} replica(s)")
+        print(f"Ray Serve up in {time.perf_counter() - start:.1f}s: {count} x {replica.threads} thread(s), "
+              f"{replica.slots} slots x {replica.capacity} tokens each", file=sys.stderr)
+        print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if own_cluster:
+            serve.shutdown()
+            ray.shutdown()
+        else:  # a shared cluster keeps running; only this application goes
+            serve.delete(ray_app.APP_NAME)
