@@ -63,6 +63,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
     s.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    add_ray_arguments(p)
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("Ray Serve (docs/ray.md)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve on Ray Serve: engine replicas behind the same OpenAI routes (pip install 'specrt[ray]')")
+    scale = r.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=int, help="--ray: engine replicas (default 1)")
+    scale.add_argument("--autoscale", metavar="MIN,MAX", help="--ray: scale replicas on ongoing requests")
+    r.add_argument("--ray-address", metavar="ADDR",
+                   help="--ray: join this cluster (auto, or HEAD_IP:6379); default: start a local one-node cluster")
 
 
 def load_pipeline(args: argparse.Namespace):
@@ -97,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as exc:
         raise SpecrtError(f"the server needs {exc.name}", "pip install 'specrt[serve]'") from None
+    from specrt.tools.cli_serve_ray import ray_requested, run_ray
+
+    if ray_requested(args):
+        return run_ray(args)
     from specrt.runtime.serving.loop import EngineLoop
     from specrt.runtime.serving.server import ServeConfig, create_app
 
