@@ -8,7 +8,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 from specrt.tools import gen_cli_docs
 from specrt.tools.cli import build_parser
 
