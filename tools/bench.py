@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-contexts", default="64,1024", help="contexts for the per-step KV cost (empty: skip)")
     p.add_argument("--modes", default="greedy,t1", help="greedy and/or t1 (temperature 1); empty: skip acceptance")
     p.add_argument("--batch-size", type=int, default=40, help="rows per batch in the acceptance runs")
-    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree (default: engine folder's / 4)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree: children per node (default: the engine folder's record, else DraftOptions')")
     p.add_argument("--tree-depth", type=int, default=None)
     p.add_argument("--tree-tokens", type=int, default=None)
     p.add_argument("--confidence-threshold", type=float, default=None)
@@ -67,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tree-top-k", type=int, default=None,
                    help="DSpark/DFlash: candidates per position, a tree of --tree-tokens (default 1: a chain)")
     p.add_argument("--lookup", type=int, default=None,
-                   help="drafts copied from the request's text grafted onto each drafter's (default: the engine "
-                        "folder's / 0 on torch; specrt.runtime.proposers.lookup)")
+                   help="drafts copied from the request's text grafted onto each drafter's (0: off; default: the "
+                        "engine folder's record, else DraftOptions'; specrt.runtime.proposers.lookup)")
     p.add_argument("--lookup-threshold", type=float, default=None)
     p.add_argument("--lookup-variants", action="store_true",
                    help="run each drafter with and without --lookup (default 16) copies, and the drafter-free "

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the backend's choice)")
     p.add_argument("--target", help="torch: HF folder or .gguf (default: the embedded default)")
     p.add_argument("--drafters", default="", help="torch: comma list KIND=PATH (default: the shipped drafters)")
-    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree (default: engine folder's / 4)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree: children per node (default: the engine folder's record, else DraftOptions')")
     p.add_argument("--tree-depth", type=int, default=None)
     p.add_argument("--tree-tokens", type=int, default=None)
     p.add_argument("--confidence-threshold", type=float, default=None, help="DSpark in the fixed mode")
