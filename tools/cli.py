@@ -14,10 +14,10 @@ SUBCOMMANDS = {
     "export": ("specrt.tools.cli_export", "export the target and a drafter to ONNX (engines/NAME)"),
     "build": ("specrt.export.build", "build TensorRT plans (with specrt's plugins) for an engine folder"),
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
-    "bench": ("specrt.tools.bench", "tau, acceptance per position and speedup on MT-bench"),
+    "bench": ("specrt.tools.bench", "tau, acceptance per position and speed against plain decoding and peers on MT-bench"),
     "doctor": ("specrt.tools.cli_doctor", "show what this machine can run and where the default model is"),
     "serve": ("specrt.tools.cli_serve", "OpenAI-compatible HTTP server with batched speculative decoding"),
-    "calibrate": ("specrt.tools.cli_calibrate", "profile SPS(B), target steps/s vs verify tokens, on this device"),
+    "calibrate": ("specrt.tools.cli_calibrate", "profile SPS(B) (target steps/s vs verify tokens) on this device and calibrate the copies' hit rates"),
     "bench-serving": ("specrt.tools.bench_serving", "throughput and latency at concurrency 1..16: plain, fixed, scheduled"),
 }
 
