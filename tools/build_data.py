@@ -21,8 +21,8 @@ stopped.
 
 Batch order: prompts of similar length share a batch (less padding), but the batches themselves
 run in a seeded random order (`plan_batches`). A build stopped half way is then an unbiased half of
-the set; the first builder ran the batches shortest first, and a drafter trained on its first half
-saw only the shortest prompts. The manifest records the order
+the set (run shortest first, a drafter trained on the first half of a stopped build would see only the
+shortest prompts). The manifest records the order
 (`batch_order`), and a resume into a folder built with another order is refused, since its shard
 numbers would mean other batches.
 """
