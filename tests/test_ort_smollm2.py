@@ -1,7 +1,7 @@
 """The shipped drafters on the real default target, exported and run by ONNX Runtime: lossless on
 MT-bench prompts (ORT speculative greedy == torch plain greedy, first 128 tokens), and the drafts
 are accepted (a drafter that never hits would pass the lossless check trivially). The full 80-prompt
-check is `specrt bench --engines ...` (docs/bench)."""
+check is `specrt bench --engines ...` (docs/results.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_shipped_drafter_on_ort_is_lossless_and_accepts(kind, default_target, pr
     from specrt.runtime.pipeline import Pipeline
 
     assert shipped_drafter(kind, DEFAULT_NAME) is not None, f"no {kind} drafter ships for {DEFAULT_NAME}"
-    # the README's folder (EAGLE-3) gets the copy hit rates and datastore of the shipped data; the
+    # the EAGLE-3 folder gets the copy hit rates and datastore of the shipped data; the
     # others skip them (~25 s an export; these checks draft without copies)
     with_files = kind == "eagle3"
     folder = export_engine(kind, out=tmp_path / f"smollm2-{kind}", quiet=True, loaded_target=default_target,
