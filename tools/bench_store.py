@@ -1,7 +1,7 @@
 """How much a bigger copy datastore buys: copies from the text against the store's size, one run.
 
     python -m specrt.tools.bench_store --engines engines/smollm2-w8a8 --fractions 0,0.25,0.5,1 \\
-        --prompts 20 --max-new-tokens 256 --threads 2 --out docs/bench/store_scaling
+        --prompts 20 --max-new-tokens 256 --threads 2 --out docs/results/copy-store-size-w8a8
 
 Why. The copy proposer (`runtime/proposers/lookup.py`) drafts from the request's own text and from
 a store of the target's greedy answers to other prompts (`runtime/proposers/datastore.py`, REST's

@@ -1,7 +1,7 @@
 """Compare training runs by their held-out evaluations, step for step (a table and a plot).
 
     python -m specrt.tools.compare_runs --run "1 layer=runs/dflash" --run "2 layers=runs/dflash2l" \
-        --out docs/training/dflash_depth.png
+        --out docs/training/dflash-depth.png
 
 Every trainer appends its evaluations to `<run>/metrics.jsonl` (one JSON object per evaluation:
 step, loss, acc per draft position, tau_est). Runs are compared at equal steps, which is what a
