@@ -439,3 +439,25 @@ def test_round_trip_specrt_reference_specrt_is_bit_identical(tmp_path, target, v
     second = save_drafter(back, tmp_path / "b", dtype=torch.float32)
     for name in ("config.json", "model.safetensors"):
         assert (first / name).read_bytes() == (second / name).read_bytes()
+
+
+# -- specrt inspect-drafter -----------------------------------------------------------------------
+def test_inspect_drafter_cli(tmp_path, target, capsys):
+    from _onnx_tiny import write_hf_target
+    from specrt.tools.cli import main
+
+    tiny = write_hf_target(tmp_path / "tiny", target)
+    folder = deepspec(tmp_path / "ds", block_module(DFlashDrafter, convention="deepspec"), target, dflash_mode=True)
+    assert main(["inspect-drafter", str(folder), "--target", str(tiny)]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSpec DFlash" in out and "tiny: fits" in out and "taps         target hidden_states [2, 3, 4]" in out
+    assert "4 inputs, 4 drafts; convention deepspec" in out
+    assert "num_anchors" in out and "lm_head.weight" in out  # ignored field and tensor, each with why
+    small = tmp_path / "small"
+    small.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 80}))
+    assert main(["inspect-drafter", str(folder), "--target", str(small)]) == 1
+    assert "DOES NOT FIT: DFlash drafter vocab mismatch" in capsys.readouterr().out
+    assert main(["inspect-drafter", str(folder), "--target", str(tiny), "--kind", "dspark"]) == 2
+    assert "--drafter dflash" in capsys.readouterr().err

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "train": ("specrt.tools.cli_train", "build the training data, train drafters, calibrate DSpark"),
     "bench": ("specrt.tools.bench", "tau, acceptance per position and speed against plain decoding and peers on MT-bench"),
     "doctor": ("specrt.tools.cli_doctor", "show what this machine can run and where the default model is"),
+    "inspect-drafter": ("specrt.tools.cli_inspect_drafter", "what a drafter checkpoint is: format, target fit, taps, ignored fields"),
     "serve": ("specrt.tools.cli_serve", "OpenAI-compatible HTTP server with batched speculative decoding"),
     "calibrate": ("specrt.tools.cli_calibrate", "profile SPS(B) (target steps/s vs verify tokens) on this device and calibrate the copies' hit rates"),
     "bench-serving": ("specrt.tools.bench_serving", "throughput and latency at concurrency 1..16: plain, fixed, scheduled"),
