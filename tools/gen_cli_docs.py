@@ -54,6 +54,7 @@ EXAMPLES: dict[str, list[str]] = {
         "specrt bench --drafters eagle3=runs/eagle3/drafter --prompts 8 --speed-prompts 0",
     ],
     "doctor": ["specrt doctor"],
+    "inspect-drafter": ["specrt inspect-drafter export/drafters/SmolLM2-135M-Instruct/eagle3"],
     "serve": [
         "specrt serve --engines engines/smollm2-int4 --drafter lookup --slots 8 --port 8000",
         "specrt serve --engines engines/smollm2-eagle3 --schedule fixed",
