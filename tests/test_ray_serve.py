@@ -25,10 +25,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("onnxruntime")
 psutil = pytest.importorskip("psutil")  # a dependency of ray
 
-from specrt.plugins.errors import SpecrtError  # noqa: E402
-from specrt.runtime.pipeline import Pipeline  # noqa: E402
-from specrt.tools.cli import main as cli_main  # noqa: E402
-from specrt.tools.cli_export import main as export_main  # noqa: E402
+from specrt.plugins.errors import SpecrtError
+from specrt.runtime.pipeline import Pipeline
+from specrt.tools.cli import main as cli_main
+from specrt.tools.cli_export import main as export_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,7 +119,7 @@ def run_threads(fns) -> list:
     def one(i):
         try:
             results[i] = fns[i]()
-        except BaseException as exc:  # returned to the caller
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
             results[i] = exc
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(fns))]
@@ -147,6 +147,19 @@ def test_concurrent_streams_equal_specrt_generate(cluster, client, folder, capsy
     got = run_threads([functools.partial(stream, i) for i in range(len(prompts))])  # 6 clients, 4 rows in all
     assert got == expected
     assert sorted(m.id for m in client.models.list().data) == ["default", "tiny"]
+
+
+def test_bench_serving_measures_the_endpoint(cluster, tmp_path):
+    """`specrt bench-serving --url` against the Ray application: every request answered in full."""
+    import json
+
+    assert cli_main(["bench-serving", "--url", cluster.base, "--concurrency", "1,2", "--requests", "4",
+                     "--max-new-tokens", "6", "--prompts", "synthetic", "--prompt-len", "4", "--ignore-eos",
+                     "--label", "ray 2x1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "http.json").read_text())
+    assert [r["concurrency"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        assert row["failed"] == 0 and row["tokens"] == 4 * 6 and row["latency_p95"] >= row["latency_p50"] > 0
 
 
 def test_killing_a_replica_mid_stream(cluster, client):
@@ -208,7 +221,7 @@ def test_corrupt_folder_never_becomes_healthy(cluster, folder, tmp_path):
     ray_app = cluster.ray_app
     app = ray_app.build_app(loader(broken), ray_app.ReplicaSettings(slots=1, capacity=64, threads=1),
                             ray_app.IngressSettings(), ray_app.Scaling(replicas=1))
-    with pytest.raises(SpecrtError, match="checksum") as info:
+    with pytest.raises(SpecrtError, match="is corrupt: sha256") as info:
         ray_app.deploy(app, port=cluster.port, name="broken", route_prefix="/broken")
     assert graph.name in str(info.value)
     cluster.remember_processes()

@@ -2,6 +2,8 @@
 
     python -m specrt.tools.bench_serving --engines engines/A,engines/B --concurrency 1,2,4,8,16 --out docs/serving
     specrt bench-serving --backend torch --drafters dspark=runs/dspark/drafter --concurrency 1,4,16
+    specrt bench-serving --url http://127.0.0.1:8000 --concurrency 1,4,16 --label ray-2x1   (any OpenAI endpoint:
+                                                                  tools/bench_http.py)
 
 What runs: for every concurrency c, c closed-loop clients (a finished request is replaced at once
 by the next one) drive the same `Batcher` the server runs, in-process (no HTTP, so the numbers are
@@ -36,6 +38,12 @@ MODES = ("plain", "fixed", "scheduled")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("a running server (tools/bench_http.py)")
+    h.add_argument("--url", help="measure this OpenAI endpoint over HTTP (specrt serve, specrt serve --ray, any other) "
+                                 "instead of an in-process batcher")
+    h.add_argument("--label", default="server", help="--url: the endpoint's name in the table")
+    h.add_argument("--model", help="--url: model id to request (default: the first of /v1/models)")
+    h.add_argument("--timeout", type=float, default=600.0, help="--url: seconds per request")
     p.add_argument("--engines", default="", help="comma list of engine folders, one drafter each (ort)")
     p.add_argument("--backend", default="auto", choices=["auto", "ort", "torch"],
                    help="auto: ort with --engines, torch otherwise")
@@ -213,6 +221,10 @@ def run(args: argparse.Namespace) -> int:
     from specrt.runtime.sampling import SamplingParams
     from specrt.runtime.serving.calibrate import load_sps_for, profile_sps
 
+    if args.url:
+        from specrt.tools.bench_http import run_url
+
+        return run_url(args)
     levels = parse_list(args.concurrency, "concurrency")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):

@@ -41,8 +41,9 @@ def parse_autoscale(text: str) -> tuple[int, int]:
 
 def settings_from(args: argparse.Namespace):
     from specrt.runtime.serving.ray_app import IngressSettings, ReplicaSettings, Scaling
+    from specrt.tools.cli_generate import resolve_backend
 
-    if args.backend not in ("ort",) or not args.engines:
+    if resolve_backend(args) != "ort":
         raise SpecrtError("--ray serves engine folders (ONNX Runtime)", "pass --engines engines/NAME")
     if args.replicas is not None and args.replicas < 1:
         raise SpecrtError(f"--replicas must be >= 1, got {args.replicas}", "e.g. --replicas 2")

@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable
 
 from ray import serve
-
 from specrt.plugins.errors import SpecrtError
 from specrt.runtime.serving.batcher import Request
 from specrt.runtime.serving.remote_engine import RemoteEngine, shape_from
@@ -52,8 +51,9 @@ from specrt.runtime.serving.remote_engine import RemoteEngine, shape_from
 APP_NAME = "specrt"
 CONTROL_CALLS = 1  # room above the KV rows for a snapshot poll, so metrics never wait for a row
 HEALTH_CHECK_S = 2.0
-CONSTRUCTOR_RETRIES = 2  # a replica that cannot load its folder fails fast (it will not load on a retry either)
-DESCRIBE_TIMEOUT_S = 600.0  # the ingress waits this long for a first engine replica to load
+CONSTRUCTOR_RETRIES = 1  # a replica that cannot load its folder fails fast (it will not load on a retry either)
+DESCRIBE_TIMEOUT_S = 600.0
+QUIET = {"enable_access_log": False}  # no log line per call (a stream is one call, a metrics poll another)  # the ingress waits this long for a first engine replica to load
 
 
 @dataclasses.dataclass
@@ -185,12 +185,14 @@ def build_app(load_pipeline: Callable[[], object], settings: ReplicaSettings, in
         ray_actor_options={"num_cpus": settings.threads},
         health_check_period_s=HEALTH_CHECK_S,
         max_constructor_retry_count=CONSTRUCTOR_RETRIES,
+        logging_config=QUIET,
         **scaling.options(settings.slots),
     )
     front = OpenAIIngress.options(
         num_replicas=1,
         max_ongoing_requests=ingress.max_queue + 4096,  # its own limit is RemoteEngine's queue (429)
         ray_actor_options={"num_cpus": 0},
+        logging_config=QUIET,
     )
     return front.bind(engine.bind(load_pipeline, settings), ingress)
 

@@ -117,7 +117,7 @@ class RemoteEngine:
                 self.report(await asyncio.wait_for(self.handle.snapshot.remote(), POLL_S * 2))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # no replica up right now: `alive` turns false once reports age out
+            except Exception as exc:  # noqa: BLE001 - no replica up now: `alive` turns false as reports age
                 log.debug("replica snapshot failed: %s", exc)
             await asyncio.sleep(POLL_S)
 
@@ -142,7 +142,7 @@ class RemoteEngine:
                 except asyncio.CancelledError:
                     stream.cancel()
                     raise
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure of the replica or of the call to it
                     if req.done:  # the finish record arrived; what failed after it costs the client nothing
                         return
                     if req.tokens or req.cancelled or attempt == RETRIES:
