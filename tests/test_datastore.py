@@ -13,7 +13,7 @@ from specrt.plugins.errors import SpecrtError
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.datastore import NgramDatastore, _hash_suffixes, load_datastore_for, store_key
 from specrt.runtime.proposers.lookup import LookupProposer, NgramLookup
-from specrt.runtime.proposers.lookup_prior import replay_hits
+from specrt.tools.copy_files import replay_hits
 from specrt.runtime.proposers.step_cost import StepCost, best_length
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative

@@ -283,7 +283,8 @@ def test_depths_of_grafted_trees_match_their_verify_positions():
 
 def test_replayed_hit_counts_follow_the_live_record_and_round_trip(tmp_path):
     from specrt.runtime.proposers.lookup import HitRecord
-    from specrt.runtime.proposers.lookup_prior import LookupPrior, replay_hits
+    from specrt.runtime.proposers.lookup_prior import LookupPrior
+    from specrt.tools.copy_files import replay_hits
 
     # a response that loops "1 2 3": after the first period every copy is right
     prior = replay_hits([([9, 1, 2, 3], [1, 2, 3, 1, 2, 3, 1, 2, 3, 7])], max_tokens=4)

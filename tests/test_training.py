@@ -23,7 +23,7 @@ from specrt.runtime.proposers.block import BlockProposer
 from specrt.runtime.proposers.eagle3 import Eagle3Proposer
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative
-from specrt.tools import calibrate_sts, train_dflash, train_eagle3
+from specrt.tools import calibrate_sts, dflash_blocks, train_dflash, train_eagle3
 from specrt.tools.train_features import FeatureStore, ensure_features, is_validation
 
 VOCAB = 61
@@ -251,7 +251,7 @@ def test_packed_blocks_equal_one_block_at_a_time(target, kind):
     tokens = torch.randint(0, VOCAB, (2, n))
     anchors = torch.tensor([[3, 4, 9], [6, 0, 0]])
     valid = torch.tensor([[True, True, True], [True, False, False]])
-    mask = train_dflash.block_attention_mask(anchors, valid, n, bk)
+    mask = dflash_blocks.block_attention_mask(anchors, valid, n, bk)
     # direct computation of the mask
     for b in range(2):
         for q in range(3 * bk):
@@ -261,7 +261,7 @@ def test_packed_blocks_equal_one_block_at_a_time(target, kind):
                 own = s >= n and (s - n) // bk == blk
                 assert bool(mask[b, q, s]) == (ctx or own)
     with torch.no_grad():
-        packed = train_dflash.packed_block_hidden(drafter, taps, tokens, anchors, valid)
+        packed = dflash_blocks.packed_block_hidden(drafter, taps, tokens, anchors, valid)
         for b, blk in ((0, 0), (0, 1), (0, 2), (1, 0)):
             a = int(anchors[b, blk])
             k, v = drafter.new_cache(1, 32)
@@ -273,7 +273,7 @@ def test_packed_blocks_equal_one_block_at_a_time(target, kind):
             m = torch.ones(1, bk, window, dtype=torch.bool)
             _, hidden = drafter(ids, bpos, m, k, v, bpos)
             torch.testing.assert_close(packed[b, blk], hidden[0], atol=1e-5, rtol=1e-5)
-    labels, pos, lmask = train_dflash.block_labels(tokens, torch.tensor([n, 8]), anchors, valid, bk,
+    labels, pos, lmask = dflash_blocks.block_labels(tokens, torch.tensor([n, 8]), anchors, valid, bk,
                                                    drafter.label_shift)
     shift = drafter.label_shift
     assert torch.equal(labels[0, 0], tokens[0, 3 + shift:3 + shift + bk])
@@ -285,14 +285,14 @@ def test_packed_blocks_equal_one_block_at_a_time(target, kind):
 def test_anchors_lie_in_the_response():
     gen = torch.Generator().manual_seed(0)
     prompts, lengths = torch.tensor([5, 3, 9]), torch.tensor([12, 5, 10])
-    anchors, valid = train_dflash.sample_anchors(prompts, lengths, 4, gen)
+    anchors, valid = dflash_blocks.sample_anchors(prompts, lengths, 4, gen)
     assert valid.sum(1).tolist() == [4, 1, 0]
     for b in range(3):
         a = anchors[b][valid[b]]
         assert (a >= prompts[b]).all() and (a <= lengths[b] - 2).all() and len(set(a.tolist())) == len(a)
-    w = train_dflash.position_weights(16, 0, 7.0)
+    w = dflash_blocks.position_weights(16, 0, 7.0)
     assert w[0] == 0 and w[1] == 1 and abs(float(w[15]) - float(np.exp(-2))) < 1e-6
-    w = train_dflash.position_weights(7, 1, 4.0)
+    w = dflash_blocks.position_weights(7, 1, 4.0)
     assert w[0] == 1 and abs(float(w[6]) - float(np.exp(-1.5))) < 1e-6
 
 
@@ -711,8 +711,8 @@ def test_repeat_kv_heads_keeps_the_function_and_drafts_losslessly(target, kind):
     tokens = torch.randint(0, VOCAB, (1, n))
     anchors, valid = torch.tensor([[3, 7]]), torch.tensor([[True, True]])
     with torch.no_grad():
-        before = train_dflash.packed_block_hidden(drafter, taps, tokens, anchors, valid)
-        after = train_dflash.packed_block_hidden(grown, taps, tokens, anchors, valid)
+        before = dflash_blocks.packed_block_hidden(drafter, taps, tokens, anchors, valid)
+        after = dflash_blocks.packed_block_hidden(grown, taps, tokens, anchors, valid)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
     if kind == "dspark":
         assert torch.equal(grown.sts_temperatures, drafter.sts_temperatures)

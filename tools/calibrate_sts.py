@@ -96,7 +96,7 @@ def collect_survival(drafter, store, target, indices: Sequence[int], blocks_per_
                      batch_size: int = 4, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Confidence logits z [n, gamma] of greedy drafting and the empirical survival s [n, gamma]."""
     import torch.nn.functional as F
-    from specrt.tools.train_dflash import packed_block_hidden, sample_anchors
+    from specrt.tools.dflash_blocks import packed_block_hidden, sample_anchors
     from tqdm import tqdm
 
     gamma = drafter.config.block_size

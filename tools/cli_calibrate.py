@@ -89,7 +89,8 @@ def target_name(pipe, args: argparse.Namespace) -> str:
 def calibrate_lookup(pipe, args: argparse.Namespace, out: Path) -> None:
     """lookup.json: copy hit rates replayed over this target's own greedy text (lookup_prior.py)."""
     from specrt.plugins.errors import SpecrtError
-    from specrt.runtime.proposers.lookup_prior import LOOKUP_FILE, replay_hits
+    from specrt.runtime.proposers.lookup_prior import LOOKUP_FILE
+    from specrt.tools.copy_files import replay_hits
     from specrt.tools.copy_files import report_prior, shipped_data_for, write_lookup_files
 
     settings = lookup_settings(pipe)

@@ -10,13 +10,55 @@ proposer over the data, so this lives above the runtime; the runtime only reads 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from specrt.plugins.errors import SpecrtError
-from specrt.runtime.proposers.lookup_prior import LOOKUP_FILE, LookupPrior, replay_hits
+from specrt.runtime.proposers.datastore import store_key
+from specrt.runtime.proposers.lookup import STORE_MAX_TOKENS, HitRecord, NgramIndex
+from specrt.runtime.proposers.lookup_prior import DEFAULT_PRIOR_WEIGHT, LOOKUP_FILE, LookupPrior
 from specrt.tools.build_data import DATA_ROOT, read_shards
 from specrt.tools.train_features import is_validation
+
+
+def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_tokens: int = 16,
+                min_match: int = 1, max_match: int = 8, weight: float = DEFAULT_PRIOR_WEIGHT,
+                meta: dict | None = None, datastore=None) -> LookupPrior:
+    """Count lookup hits over (prompt, response) pairs (module docstring). With a `datastore` the
+    store's copies at each step are counted too (cells `datastore.store_key(m)`); the store must not
+    hold these responses, or its hits are its own text."""
+    record = HitRecord()
+    steps = responses = tokens = 0
+    for prompt, response in sequences:
+        response = [int(t) for t in response]
+        if not response:
+            continue
+        responses += 1
+        tokens += len(response)
+        index = NgramIndex(max_match)
+        index.extend([int(t) for t in prompt] + response[:1])  # the first response token is the anchor
+        t = 0  # index in `response` of the anchor
+        while t + 1 < len(response):
+            copy, match = index.continuation(max_tokens, min_match)
+            truth = response[t + 1:t + 1 + len(copy)]
+            right = 0
+            while right < len(truth) and copy[right] == truth[right]:
+                right += 1
+            if match:
+                # what the target emits after the anchor: the confirmed copies, then its own token
+                record.record(min(match, max_match), copy, response[t + 1:t + 2 + right])
+            if datastore is not None:
+                stored, stored_match = datastore.chain(index.tokens, min(max_tokens, STORE_MAX_TOKENS))
+                if stored_match:
+                    record.record(store_key(stored_match), stored, response[t + 1:t + 1 + len(stored)])
+            steps += 1
+            advance = min(right + 1, len(response) - 1 - t)
+            index.extend(response[t + 1:t + 1 + advance])
+            t += advance
+    info = {"responses": responses, "response_tokens": tokens, "steps": steps, "max_tokens": max_tokens,
+            "min_match": min_match, "max_match": max_match}
+    info.update(meta or {})
+    return LookupPrior(record.trials, record.hits, weight, info)
 
 
 def shipped_data_for(target_name: str) -> list[Path]:

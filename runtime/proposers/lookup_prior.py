@@ -8,7 +8,7 @@ generate call, the first steps of a server) verifies copies after one-token matc
 only ~1 time in 5. On a batch of rows that pads every row to the longest copy that is a slower
 step than plain decoding (measured: 0.81x of plain at concurrency 4).
 
-What. `replay_hits` replays lookup speculation over token sequences the target produced itself
+What. `specrt.tools.copy_files.replay_hits` replays lookup speculation over token sequences the target produced itself
 (prompt, greedy response): at each step the longest earlier match of the history's suffix, the copy
 that followed it, how many copied tokens the response confirms; the next step starts after the
 confirmed copies and the target's own token, as live speculation would with the whole copy
@@ -27,7 +27,6 @@ Losslessness is untouched: the prior changes which copies are verified, never ho
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,46 +87,3 @@ def load_prior_for(folder: str | Path | None) -> LookupPrior | None:
     if folder is None or not (Path(folder) / LOOKUP_FILE).is_file():
         return None
     return LookupPrior.load(Path(folder) / LOOKUP_FILE)
-
-
-def replay_hits(sequences: Iterable[tuple[Sequence[int], Sequence[int]]], max_tokens: int = 16,
-                min_match: int = 1, max_match: int = 8, weight: float = DEFAULT_PRIOR_WEIGHT,
-                meta: dict | None = None, datastore=None) -> LookupPrior:
-    """Count lookup hits over (prompt, response) pairs (module docstring). With a `datastore` the
-    store's copies at each step are counted too (cells `datastore.store_key(m)`); the store must not
-    hold these responses, or its hits are its own text."""
-    from specrt.runtime.proposers.datastore import store_key
-    from specrt.runtime.proposers.lookup import STORE_MAX_TOKENS, HitRecord, NgramIndex
-
-    record = HitRecord()
-    steps = responses = tokens = 0
-    for prompt, response in sequences:
-        response = [int(t) for t in response]
-        if not response:
-            continue
-        responses += 1
-        tokens += len(response)
-        index = NgramIndex(max_match)
-        index.extend([int(t) for t in prompt] + response[:1])  # the first response token is the anchor
-        t = 0  # index in `response` of the anchor
-        while t + 1 < len(response):
-            copy, match = index.continuation(max_tokens, min_match)
-            truth = response[t + 1:t + 1 + len(copy)]
-            right = 0
-            while right < len(truth) and copy[right] == truth[right]:
-                right += 1
-            if match:
-                # what the target emits after the anchor: the confirmed copies, then its own token
-                record.record(min(match, max_match), copy, response[t + 1:t + 2 + right])
-            if datastore is not None:
-                stored, stored_match = datastore.chain(index.tokens, min(max_tokens, STORE_MAX_TOKENS))
-                if stored_match:
-                    record.record(store_key(stored_match), stored, response[t + 1:t + 1 + len(stored)])
-            steps += 1
-            advance = min(right + 1, len(response) - 1 - t)
-            index.extend(response[t + 1:t + 1 + advance])
-            t += advance
-    info = {"responses": responses, "response_tokens": tokens, "steps": steps, "max_tokens": max_tokens,
-            "min_match": min_match, "max_match": max_match}
-    info.update(meta or {})
-    return LookupPrior(record.trials, record.hits, weight, info)
