@@ -263,7 +263,7 @@ def paused(pipe):
         return step()
 
     batcher.step = held_step
-    loop = EngineLoop(batcher, max_queue=2).start()
+    loop = EngineLoop(batcher, max_queue=1).start()  # two requests: one for the free row, one waiting
     http_server = ServerThread(create_app(loop, pipe.tokenizer, ServeConfig("tiny", 4, 0.5))).start()
     yield {"base": f"http://127.0.0.1:{http_server.port}", "loop": loop, "release": release}
     release.set()
@@ -306,7 +306,8 @@ def test_engine_loop_bounds_and_failures(pipe):
     plain = pipe.with_proposer(None)
     batcher = Batcher(plain.engine_for(32, 1), None)
     loop = EngineLoop(batcher, max_queue=1)  # not started: submissions stay queued
-    loop.submit(Request([5], 2))
+    loop.submit(Request([5], 2))  # the free row's
+    loop.submit(Request([5], 2))  # waits
     with pytest.raises(QueueFull):
         loop.submit(Request([5], 2))
     assert loop.snapshot()["requests_rejected"] == 1

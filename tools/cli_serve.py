@@ -10,6 +10,7 @@ Endpoints and behaviour: `specrt.runtime.serving.server`; batching: `specrt.runt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -63,7 +64,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
     s.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request before 504")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    add_exposure_arguments(s)
     add_ray_arguments(p)
+
+
+def add_exposure_arguments(s) -> None:
+    """Flags for a server others can reach (docs/serving-security.md)."""
+    s.add_argument("--api-key", default=os.environ.get("SPECRT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $SPECRT_API_KEY; "
+                        "the environment keeps the key out of the process list)")
+    s.add_argument("--max-request-bytes", type=int,
+                   help="largest request body, refused with 413 before it is read (default: sized to the context, "
+                        "64 KiB + 32 bytes per context token)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's headers, and then its body, may take to arrive (default 30)")
+    s.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests may finish before streams are cut with an error "
+                        "(default 30)")
+
+
+def check_exposure_arguments(args: argparse.Namespace) -> None:
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise SpecrtError(f"--max-request-bytes {args.max_request_bytes} is too small for any request",
+                          "pass 1024 or more, or drop it to size the limit to the context")
+    if args.read_timeout <= 0 or args.drain_seconds < 0:
+        raise SpecrtError("--read-timeout must be positive and --drain-seconds >= 0",
+                          "e.g. --read-timeout 30 --drain-seconds 30")
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1 or args.request_timeout <= 0 or args.default_max_tokens < 1:
         raise SpecrtError("--max-queue, --request-timeout and --default-max-tokens must be positive",
                           "e.g. --max-queue 64 --request-timeout 300 --default-max-tokens 256")
+    check_exposure_arguments(args)
     try:
         import fastapi  # noqa: F401
-        import sse_starlette  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise SpecrtError(f"the server needs {exc.name}", "pip install 'specrt[serve]'") from None
     from specrt.tools.cli_serve_ray import ray_requested, run_ray
@@ -124,13 +150,19 @@ def run(args: argparse.Namespace) -> int:
                            measured_gate=not args.no_measured_gate)
     loop = EngineLoop(batcher, max_queue=args.max_queue).start()
     name = args.model_name or pipe.name
-    app = create_app(loop, pipe.tokenizer, ServeConfig(name, args.default_max_tokens, args.request_timeout))
+    config = ServeConfig(name, args.default_max_tokens, args.request_timeout, args.max_request_bytes,
+                         args.read_timeout, args.drain_seconds, args.api_key)
+    app = create_app(loop, pipe.tokenizer, config)
     drafter = pipe.proposer.name if pipe.proposer is not None else "none (plain decoding)"
     print(f"loaded {pipe.name} ({pipe.backend}) in {time.perf_counter() - start:.1f}s | drafter {drafter} | "
           f"schedule {batcher.schedule} | {batcher.slots} slots x {batcher.capacity} tokens", file=sys.stderr)
     print(f"serving '{name}' and 'default' on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print("warning: listening beyond this machine without --api-key (docs/serving-security.md)", file=sys.stderr)
+    from specrt.runtime.serving.http_server import make_server
+
+    try:  # SIGTERM / Ctrl-C: stop accepting, drain for --drain-seconds, then exit
+        make_server(app, args.host, args.port, header_timeout=args.read_timeout, drain_seconds=args.drain_seconds).run()
     finally:
         loop.stop()
     return 0

@@ -6,9 +6,11 @@ thread, which moves the inbox into the batcher between steps. A step never waits
 token callbacks run on the engine thread and must only hand the tokens over (the server's do a
 `call_soon_threadsafe` into its event loop).
 
-Bounded queue: requests waiting for a row (inbox + batcher queue) are capped at `max_queue`;
-`submit` raises `QueueFull` beyond it (HTTP 429). Cancellation sets a flag the next step reads;
-the row is freed there. An exception inside a step is a bug: it is logged, every request in
+Bounded queue: `max_queue` caps the requests that must wait for a row, that is the requests not
+yet on a row (inbox + batcher queue) beyond the free rows the next step admits them to; `submit`
+raises `QueueFull` past it (HTTP 429). Counting free rows matters: the inbox fills during a step,
+and a burst must not be refused while rows stand idle. Cancellation sets a flag the next step
+reads; the row is freed there. An exception inside a step is a bug: it is logged, every request in
 flight finishes with finish_reason "error", the engine is reset, and the loop keeps serving.
 """
 
@@ -65,9 +67,9 @@ class EngineLoop:
         """Queue a request (validated here, in the caller's thread: SpecrtError for bad input)."""
         self.batcher.validate(req)
         with self._cond:
-            if self.queue_depth() >= self.max_queue:
+            if self.waiting_for_row() >= self.max_queue:
                 self.rejected += 1
-                raise QueueFull(f"{self.max_queue} requests are already waiting")
+                raise QueueFull(f"{self.max_queue} requests are already waiting for a row")
             self._inbox.append(req)
             self.total_requests += 1
             self._cond.notify_all()
@@ -83,6 +85,10 @@ class EngineLoop:
         waiting = list(self._inbox) + list(self.batcher.waiting)  # list(): one C-level copy under the GIL
         return sum(not r.cancelled for r in waiting)
 
+    def waiting_for_row(self) -> int:
+        """Requests not yet on a row that the free rows cannot take at the next step (what --max-queue bounds)."""
+        return max(self.queue_depth() - self.batcher.free_rows, 0)
+
     def snapshot(self) -> dict:
         """Numbers for /metrics and /health (read without stopping the engine: approximate)."""
         b, c = self.batcher, self.batcher.counters
@@ -95,6 +101,7 @@ class EngineLoop:
             "running": len(b.running),
             "peak_running": c.peak_running,
             "queue_depth": self.queue_depth(),
+            "waiting_for_row": self.waiting_for_row(),
             "max_queue": self.max_queue,
             "requests_total": self.total_requests,
             "requests_finished": c.finished,
