@@ -166,9 +166,10 @@ class Eagle3StepGraph(nn.Module):
         mid = d.midlayer
         emb = d.embed(input_ids).to(hidden.dtype)
         cos, sin = d.rotary(position_ids)
-        x = torch.cat([mid.input_layernorm(emb), mid.hidden_norm(hidden)], dim=-1)
+        normed = mid.hidden_norm(hidden)
+        x = torch.cat([mid.input_layernorm(emb), normed], dim=-1)
         h, k, v = attend(mid.self_attn, x, cos, sin, past_key_0, past_value_0, past_mask, tree_mask)
-        h1 = hidden + h
+        h1 = (normed if mid.norm_before_residual else hidden) + h  # the speculators variant's residual
         out = h1 + mid.mlp(mid.post_attention_layernorm(h1))
         logits = linear_2d(d.norm(out), d.lm_head.weight).float()
         return logits, out, k[None], v[None]

@@ -461,3 +461,77 @@ def test_inspect_drafter_cli(tmp_path, target, capsys):
     assert "DOES NOT FIT: DFlash drafter vocab mismatch" in capsys.readouterr().out
     assert main(["inspect-drafter", str(folder), "--target", str(tiny), "--kind", "dspark"]) == 2
     assert "--drafter dflash" in capsys.readouterr().err
+
+
+# -- engine folders: the conventions on ONNX Runtime --------------------------------------------------
+ENGINE_FORMATS = ("dflash-deepspec", "eagle3-speculators")
+PROMPTS = [[5, 9, 23, 7], [3, 44, 12, 60, 8, 31, 2]]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Engine folders exported from reference-shaped checkpoints of the two conventions the runtime
+    treats specially: DeepSpec's DFlash mode (index k predicts p+k+1) and speculators' EAGLE-3 (full
+    vocabulary without d2t/t2d, norm_before_residual, top-level taps, its own embedding copy)."""
+    pytest.importorskip("onnxruntime")
+    import logging
+
+    from _onnx_tiny import make_sharp_target, write_hf_target
+    from specrt.tools.cli_export import main as export_main
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    root = tmp_path_factory.mktemp("formats")
+    target = make_sharp_target(seed=3)
+    write_hf_target(root / "tiny", target)
+    ckpts = {
+        "dflash-deepspec": deepspec(root / "ckpt-dflash-deepspec", block_module(DFlashDrafter, convention="deepspec"),
+                                    target, dflash_mode=True),
+        "eagle3-speculators": speculators_eagle3(root / "ckpt-eagle3-speculators",
+                                                 eagle3_module(draft_vocab=V, tap_layers=[1, 3, 4]), target,
+                                                 norm_before_residual=True),
+    }
+    out = {}
+    for name, ckpt in ckpts.items():
+        kind = name.split("-")[0]
+        out[name] = root / f"engine-{name}"
+        assert export_main(["--drafter", kind, "--target", str(root / "tiny"), "--drafter-ckpt", str(ckpt),
+                            "--out", str(out[name]), "--no-ort-fused", "--no-lookup-files", "--quiet"]) == 0
+    return {"root": root, "ckpts": ckpts, "engines": out}
+
+
+@pytest.mark.parametrize("name", ENGINE_FORMATS)
+def test_engine_folder_greedy_equals_plain_and_drafts_equal_torch(engines, name):
+    from specrt.export.draft_options import DraftOptions
+    from specrt.runtime.pipeline import Pipeline
+
+    kind = name.split("-")[0]
+    manifest = json.loads((engines["engines"][name] / "manifest.json").read_text())["drafter"]
+    assert manifest["config"]["checkpoint_format"] == name
+    if kind == "dflash":
+        assert manifest["config"]["convention"] == "deepspec" and manifest["label_shift"] == 1
+        assert manifest["num_drafts"] == 4
+    else:
+        assert manifest["config"]["norm_before_residual"] is True and manifest["tap_layers"] == [1, 3, 4]
+    options = DraftOptions()
+    tiny = engines["root"] / "tiny"
+    plain = Pipeline.from_checkpoint(tiny).generate_ids(PROMPTS, 20)
+    torch_spec = Pipeline.from_checkpoint(tiny, drafter=kind, drafter_ckpt=engines["ckpts"][name], draft_options=options)
+    ort_spec = Pipeline.from_engines(engines["engines"][name], draft_options=options)
+    for i, prompt in enumerate(PROMPTS):
+        got, ref = ort_spec.generate_ids([prompt], 20), torch_spec.generate_ids([prompt], 20)
+        assert got.tokens[0] == plain.tokens[i] == ref.tokens[0]
+        assert got.stats[0].accepted_per_position == ref.stats[0].accepted_per_position
+    # the drafts themselves: both proposers on the same context features
+    g = torch.Generator().manual_seed(11)
+    width = len(torch_spec.proposer.tap_layers) * H
+    taps = [torch.randn(6, width, generator=g), torch.randn(3, width, generator=g)]
+    tokens = [torch.tensor([4, 8, 15, 16, 23, 42]), torch.tensor([7, 7, 9])]
+    proposals = []
+    for proposer in (torch_spec.proposer, ort_spec.proposer):
+        proposer.reset(2, 32)
+        proposer.observe([0, 1], tokens, taps, [50, 51])
+        proposals.append(proposer.propose([0, 1], [50, 51], SamplingParams(temperature=0.0), None))
+    for want, got in zip(*proposals):
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        if kind == "dflash":
+            assert len(got.tokens) == 4  # B inputs, B drafts
