@@ -268,11 +268,11 @@ class Records(logging.Handler):
 
 def test_a_client_that_hangs_up_mid_upload_is_not_a_server_error(pipe):
     seen = Records()
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "specrt.serving")]
-    for logger in loggers:
-        logger.addHandler(seen)
-    try:
-        with serving(pipe) as s:
+    with serving(pipe) as s:  # uvicorn configures its loggers when the server is made: listen after that
+        loggers = [logging.getLogger(name) for name in ("uvicorn.error", "specrt.serving")]
+        for logger in loggers:
+            logger.addHandler(seen)
+        try:
             for _ in range(3):
                 with socket.create_connection(("127.0.0.1", s["port"]), timeout=10) as sock:
                     sock.sendall(post_head("/v1/completions", 1000) + b'{"model": "tiny", "prompt": "w5')
@@ -280,9 +280,9 @@ def test_a_client_that_hangs_up_mid_upload_is_not_a_server_error(pipe):
             time.sleep(0.3)
             status, _ = raw_exchange(s["port"], b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert status == 200
-    finally:
-        for logger in loggers:
-            logger.removeHandler(seen)
+        finally:
+            for logger in loggers:
+                logger.removeHandler(seen)
     errors = [r.getMessage() for r in seen.records if r.levelno >= logging.ERROR]
     assert not errors, errors
 
