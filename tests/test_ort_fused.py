@@ -18,6 +18,7 @@ from specrt.export.ort_fused import GRAPH_NAME, build_graph, export_fused_target
 from specrt.runtime.backends.ort_models import OrtTargetModel
 from specrt.runtime.backends.ort_session import OrtGraph, SessionOptions
 from specrt.runtime.pipeline import Pipeline
+from specrt.runtime.sampling import SamplingParams
 
 pytest.importorskip("onnxruntime")
 
@@ -202,11 +203,16 @@ def export_int4(root, *extra: str):
     return out
 
 
-def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders):
+@pytest.fixture(scope="module")
+def int4_folder(engine_folders):
+    return export_int4(engine_folders)
+
+
+def test_int8_activation_engines_decode_bitwise_like_verify_steps(engine_folders, int4_folder):
     """--weights int4 (accuracy level 4): one-row calls run as two rows, EAGLE-3 drafts chains, and
     speculative greedy output equals plain greedy output on the same engine."""
     root = engine_folders
-    out = export_int4(root)
+    out = int4_folder
     pipe = Pipeline.from_engines(out, threads=1)
     model = pipe.model
     assert model.two_row_decode and pipe.proposer.top_k == 1 and model.fused is not None
@@ -251,3 +257,101 @@ def test_threads_spin_only_without_a_drafter(engine_folders):
     assert load_engines(engine_folders / "with", SessionOptions(threads=1), with_drafter=False).options.spinning is True
     forced = load_engines(engine_folders / "with", SessionOptions(threads=1, spinning=False), with_drafter=False)
     assert forced.options.spinning is False  # an explicit choice is kept
+
+# --- single-stream calls through the bound call (specrt.runtime.backends.ort_decode) -----------------
+LEAN_PROMPTS = PROMPTS + [[17]]  # a one-token prompt: its prefill is a one-token call
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7)
+FOLDERS = {"fp32": lambda root, int4: root / "with", "int4": lambda root, int4: int4}
+
+
+def general_calls(monkeypatch) -> list[int]:
+    """Counts the forwards that take the general fused path (the bound call does not)."""
+    calls = []
+    original = OrtTargetModel._call_fused
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(OrtTargetModel, "_call_fused", counted)
+    return calls
+
+
+def generate(pipe: Pipeline, lean: bool, prompt, sampling=None, tokens: int = 24):
+    engine = pipe.engine_for(len(prompt) + tokens)
+    engine.lean_decode = lean
+    return pipe.generate_ids([prompt], tokens, sampling).tokens[0]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_bound_call_gives_the_general_paths_tokens(engine_folders, int4_folder, kind, monkeypatch):
+    pipe = Pipeline.from_engines(FOLDERS[kind](engine_folders, int4_folder), threads=1, drafter="none")
+    assert pipe.model.fused is not None and pipe.model.attention_row_decode == (kind == "int4")
+    calls = general_calls(monkeypatch)
+    graph = pipe.model.fused
+    for prompt in LEAN_PROMPTS:
+        for sampling in (None, SAMPLED):
+            want = generate(pipe, False, prompt, sampling)
+            calls.clear()
+            runs = graph.run_calls
+            got = generate(pipe, True, prompt, sampling)
+            assert got == want
+            # one session run per token (the prompt's gives the first), none through the general path
+            assert graph.run_calls - runs == len(got) and not calls
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_bound_call_logits_are_bitwise_the_general_paths(engine_folders, int4_folder, kind):
+    """Logits of every step, attention rows included; the last step fills the cache, where attention
+    rows have no spare slot and both paths make a one-row call. A step's logits outlive the next call."""
+    from specrt.runtime.engine import causal_mask
+
+    pipe = Pipeline.from_engines(FOLDERS[kind](engine_folders, int4_folder), threads=1, drafter="none")
+    prompt = LEAN_PROMPTS[1]
+    engines = [pipe._engine_factory(len(prompt) + 5, 1, 0) for _ in range(2)]  # no spare slots
+    engines[1].lean_decode = False
+    steps = []
+    for engine in engines:
+        engine.reset(1)
+        engine.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], causal_mask(1, len(prompt)))
+        engine.commit(0, range(len(prompt)))
+        logits = []
+        for token in (4, 50, 9, 33, 21):
+            position = engine.lengths.clone()[:, None]
+            out, _ = engine.forward(torch.tensor([[token]]), position, torch.ones(1, 1, 1, dtype=torch.bool))
+            engine.commit(0, [0])
+            logits.append(out)
+        steps.append(logits)
+    assert engines[0]._bound is not None and engines[1]._bound is None
+    for lean, general in zip(*steps):
+        assert torch.equal(lean, general)
+    assert len({t.data_ptr() for t in steps[0]}) == len(steps[0])  # fresh logits every call
+
+
+def test_speculative_steps_on_the_bound_call_match_plain(int4_folder, monkeypatch):
+    """Copies verified on int4 (two-row decoding: one-token steps carry a second row): verify steps
+    of several tokens and one-token steps both take the bound call, and the text is plain decoding's."""
+    pipe = Pipeline.from_engines(int4_folder, threads=1, drafter="lookup")
+    plain = Pipeline.from_engines(int4_folder, threads=1, drafter="none")
+    assert pipe.model.two_row_decode and pipe.model.takes_attention_rows
+    calls = general_calls(monkeypatch)
+    repetitive = [5, 9, 23, 7, 5, 9, 23, 7, 5, 9, 23]  # copies find matches
+    for prompt in LEAN_PROMPTS + [repetitive]:
+        want = generate(plain, False, prompt, tokens=32)
+        assert generate(pipe, False, prompt, tokens=32) == want
+        calls.clear()
+        assert generate(pipe, True, prompt, tokens=32) == want
+        assert not calls
+
+
+def test_bound_calls_give_the_general_paths_speculative_text(engine_folders):
+    """EAGLE-3 on the fused graph: prefill, verify and one-token steps through the bound call
+    (`specrt.runtime.backends.ort_decode`, taps included) give the general path's tokens."""
+    pipe = Pipeline.from_engines(engine_folders / "with", threads=1)
+    for prompt in LEAN_PROMPTS:
+        engine = pipe.engine_for(len(prompt) + 20)
+        engine.lean_decode = False
+        want = pipe.generate_ids([prompt], 20).tokens
+        engine.lean_decode = True
+        assert pipe.generate_ids([prompt], 20).tokens == want
+        assert engine._bound is not None and engine._bound.taps

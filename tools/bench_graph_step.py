@@ -7,6 +7,13 @@ For each folder: the portable graph (`target`) and, when the folder has it, the 
 included), interleaved over repeats so machine noise hits every configuration alike. This is the
 cost curve the drafters' verify sizes are chosen against: on a CPU a verify step of T tokens costs
 more than a decode step as soon as the weights stop dominating (int4: early).
+
+    python -m specrt.tools.bench_graph_step --engines engines/a --decode 256 --prompts 8
+
+--decode N: where a plain decoding step's time goes instead. Each folder decodes N greedy tokens of
+the first --prompts MT-bench first turns through `Pipeline` (the path `specrt generate` takes), and
+the table splits a step's milliseconds into the target graph's call (time inside ONNX Runtime) and
+the host work around it (the loop, masks, bindings, argmax), prefill excluded.
 """
 
 from __future__ import annotations
@@ -37,6 +44,50 @@ def step_ms(model, tokens: int, context: int, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def decode_split(pipe, prompts, tokens: int) -> tuple[float, float, int]:
+    """(total ms, graph ms) per plain decoding step over `prompts`, and the steps timed."""
+    graph = pipe.model.fused or pipe.model.graph
+    total = inside = 0.0
+    steps = 0
+    for prompt in prompts:
+        marks = {}
+
+        def first(row, new, marks=marks):  # called once prefill has given the first token
+            marks.setdefault("start", (time.perf_counter(), graph.run_seconds))
+
+        result = pipe.generate_ids([prompt], tokens, on_tokens=first)
+        end, end_inside = time.perf_counter(), graph.run_seconds
+        start, start_inside = marks["start"]
+        total += end - start
+        inside += end_inside - start_inside
+        steps += result.stats[0].rounds
+    return 1e3 * total / steps, 1e3 * inside / steps, steps
+
+
+def main_decode(args) -> int:
+    from specrt.runtime.pipeline import Pipeline
+    from specrt.tools.datasets import mtbench_questions
+
+    pipes = {folder.rstrip("/").rsplit("/", 1)[-1]: Pipeline.from_engines(folder, threads=args.threads, drafter="none")
+             for folder in args.engines.split(",")}
+    questions = [q["turns"][0] for q in mtbench_questions()[: args.prompts]]
+    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in pipes}
+    for _ in range(args.rounds):
+        for name, pipe in pipes.items():
+            prompts = [pipe.encode(q) for q in questions]
+            results[name].append(decode_split(pipe, prompts, args.decode))
+    print(f"plain decoding, ms per step ({args.prompts} MT-bench prompts x {args.decode} tokens, {args.threads} "
+          f"threads, median of {args.rounds} rounds)\n")
+    print("| engine | step | graph | host | host share | tok/s (decode) |")
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        step = statistics.median(r[0] for r in runs)
+        graph = statistics.median(r[1] for r in runs)
+        print(f"| {name} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | {100 * (step - graph) / step:.0f}% "
+              f"| {1e3 / step:.1f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", required=True, help="comma list of engine folders")
@@ -45,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decode", type=int, default=0,
+                   help="time N plain decoding steps per prompt instead: graph vs host split (docstring)")
+    p.add_argument("--prompts", type=int, default=4, help="--decode: MT-bench first turns to decode")
     args = p.parse_args(argv)
+    if args.decode:
+        return main_decode(args)
     tokens = [int(t) for t in args.tokens.split(",")]
     configs = {}
     for folder in args.engines.split(","):

@@ -25,6 +25,7 @@ import torch
 from specrt.plugins.errors import SpecrtError
 from specrt.export.draft_options import from_manifest
 from specrt.export.manifest import EngineManifest, load_manifest
+from specrt.runtime.backends.ort_decode import BoundTargetCall, attention_rows
 from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
 from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
@@ -34,7 +35,38 @@ _CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 class OrtTargetEngine(TorchTargetEngine):
-    """The slot-cache TargetEngine over an `OrtTargetModel` (see the module docstring)."""
+    """The slot-cache TargetEngine over an `OrtTargetModel` (see the module docstring).
+
+    Single-stream calls on the fused graph (plain decoding steps, verify steps, prefill) take
+    `BoundTargetCall`: the same call with the cache bound once and the few inputs that change written
+    in place (`specrt.runtime.backends.ort_decode`). `lean_decode` False sends them down the general
+    path (the bench and the tests compare both)."""
+
+    lean_decode = True
+    _bound: BoundTargetCall | None = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, new_mask, logit_rows=None):
+        if self.lean_decode and self.batch_size == 1:
+            call = self._bound_call()
+            if call is not None:
+                out = call.forward(input_ids, position_ids, new_mask, logit_rows, self.lengths.item())
+                if out is not None:
+                    return out
+        return super().forward(input_ids, position_ids, new_mask, logit_rows)
+
+    def _bound_call(self) -> BoundTargetCall | None:
+        """The bound call of the current cache and taps, where the fused graph takes this engine's calls."""
+        model = self.model
+        if model.fused is None or self.device.type != "cpu":
+            return None
+        if model.two_row_decode and not model.takes_attention_rows:
+            return None  # its one-token calls run a full copy row: the general path builds it
+        call = self._bound
+        if (call is None or call.k_cache is not self.k_cache or call.taps != bool(model.tap_layers)
+                or call.rows != attention_rows(model)):
+            call = self._bound = BoundTargetCall(model, self.k_cache, self.v_cache)
+        return call
 
 
 @dataclass

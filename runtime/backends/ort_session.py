@@ -20,6 +20,7 @@ must live on the GPU (the backend allocates its caches there), and outputs are a
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,9 @@ class OrtGraph:
         self._bindings: dict = {}
         self._device_type = "cpu" if self.device.type == "cpu" else "cuda"
         self._device_id = 0 if self.device.index is None else int(self.device.index)
+        # time inside ONNX Runtime (run_with_iobinding) and its calls, for the graph/host split of a step
+        self.run_seconds = 0.0
+        self.run_calls = 0
 
     def _named_dims(self, name: str, shape) -> tuple[tuple[str, int], ...]:
         """(declared name, actual size) of an input's symbolic dimensions."""
@@ -141,6 +145,13 @@ class OrtGraph:
             else:
                 return None
         return torch.empty(shape, dtype=_TORCH_DTYPES[spec["dtype"]], device=self.device)
+
+    def run_bound(self, binding) -> None:
+        """Run an IO binding the caller bound itself (`specrt.runtime.backends.ort_decode`), timed."""
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.run_seconds += time.perf_counter() - start
+        self.run_calls += 1
 
     def drop_bindings(self) -> None:
         """Forget every IO binding (and the buffers they hold alive), e.g. once a cache is replaced."""
@@ -216,7 +227,10 @@ class OrtGraph:
                 same[("out", name)] = given
             else:
                 same.pop(("out", name), None)
+        start = time.perf_counter()
         self.session.run_with_iobinding(binding)
+        self.run_seconds += time.perf_counter() - start
+        self.run_calls += 1
         if unbound:
             values = binding.get_outputs()
             for name, value in zip(self.output_names, values):
