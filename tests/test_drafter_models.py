@@ -110,7 +110,7 @@ def make_eagle3(seed=0, **kw) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
     return d.eval(), emb
 
 
-def eagle3_naive(d: Eagle3Drafter, emb_w, ids, hidden, pos, mask):
+def eagle3_naive(d: Eagle3Drafter, emb_w, ids, hidden, pos, mask, norm_before_residual: bool = False):
     cfg, m = d.config, d.midlayer
     e = F.embedding(ids, emb_w)
     eps = cfg.rms_norm_eps
@@ -120,7 +120,8 @@ def eagle3_naive(d: Eagle3Drafter, emb_w, ids, hidden, pos, mask):
     k = rope(heads(F.linear(x, a.k_proj.weight), cfg.num_kv_heads, cfg.head_dim), pos, cfg.rope_theta)
     v = heads(F.linear(x, a.v_proj.weight), cfg.num_kv_heads, cfg.head_dim)
     o = naive_attention(q, k, v, mask).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
-    h1 = hidden + F.linear(o, a.o_proj.weight)
+    residual = rms(hidden, m.hidden_norm.weight, eps) if norm_before_residual else hidden
+    h1 = residual + F.linear(o, a.o_proj.weight)
     out = h1 + mlp(m.mlp, rms(h1, m.post_attention_layernorm.weight, cfg.rms_norm_eps))
     return F.linear(rms(out, d.norm.weight, cfg.rms_norm_eps), d.lm_head.weight), out
 
@@ -166,6 +167,42 @@ def test_eagle3_forward_matches_naive_math():
         ref_logits, ref_out = eagle3_naive(d, emb.weight, ids, hidden, pos, mask)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-5)
+
+
+def test_eagle3_norm_before_residual_matches_naive_math():
+    """speculators' variant: the attention residual is hidden_norm(hidden) instead of hidden."""
+    d, emb = make_eagle3(seed=5, norm_before_residual=True)
+    b, t = 1, 4
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(b, t, 32, generator=g)
+    ids = torch.randint(0, 64, (b, t), generator=g)
+    pos = torch.arange(t).expand(b, t)
+    mask = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+    kc, vc = d.new_cache(b, t)
+    with torch.no_grad():
+        logits, out = d(ids, hidden, pos, mask, kc, vc, pos)
+        ref_logits, ref_out = eagle3_naive(d, emb.weight, ids, hidden, pos, mask, norm_before_residual=True)
+        plain_logits, _ = eagle3_naive(d, emb.weight, ids, hidden, pos, mask)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(logits, plain_logits, atol=1e-2)
+
+
+def test_block_conventions_set_the_label_shift():
+    zlab = DFlashConfig.for_target(TARGET, block_size=4)
+    deepspec = DFlashConfig.from_dict({**zlab.to_dict(), "convention": "deepspec"})
+    assert (zlab.convention, zlab.label_shift) == ("z-lab", 0)
+    assert deepspec.label_shift == 1 and DFlashDrafter(deepspec).num_drafts == 4
+    assert DFlashDrafter(zlab).num_drafts == 3
+    dspark = DSparkConfig.for_target(TARGET, block_size=3, markov_rank=4)
+    assert dspark.convention == "deepspec" and DSparkDrafter(dspark).num_drafts == 3
+    assert DFlashConfig.from_dict({**zlab.to_dict(), "convention": "deepspec", "block_size": 1}).label_shift == 1
+    with pytest.raises(SpecrtError, match="gives no drafts"):
+        DFlashConfig.from_dict({**zlab.to_dict(), "block_size": 1})
+    with pytest.raises(SpecrtError, match="convention"):
+        DFlashConfig.from_dict({**zlab.to_dict(), "convention": "medusa"})
+    with pytest.raises(SpecrtError, match="DeepSpec's block convention"):
+        DSparkConfig.from_dict({**dspark.to_dict(), "convention": "z-lab"})
 
 
 def test_eagle3_cached_steps_equal_one_pass():
