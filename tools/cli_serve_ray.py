@@ -11,6 +11,7 @@ The flags live in cli_serve.py; this module checks them, builds the application
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -51,9 +52,18 @@ def settings_from(args: argparse.Namespace):
     replica = ReplicaSettings(slots=args.slots, capacity=args.capacity, schedule=args.schedule, sps=args.sps,
                               engines=args.engines, draft_gate=not args.no_draft_gate,
                               measured_gate=not args.no_measured_gate, threads=args.threads)
-    ingress = IngressSettings(args.model_name, args.default_max_tokens, args.request_timeout, args.max_queue)
+    ingress = IngressSettings(args.model_name, args.max_queue, server_options(args))
     scaling = Scaling(args.replicas or 1, parse_autoscale(args.autoscale) if args.autoscale else None)
     return replica, ingress, scaling
+
+
+def server_options(args: argparse.Namespace) -> dict:
+    """The `ServeConfig` fields `specrt serve` has flags for (same names: --request-timeout -> request_timeout),
+    so the Ray ingress runs the HTTP server exactly as configured for one process."""
+    from specrt.runtime.serving.server import ServeConfig
+
+    names = {f.name for f in dataclasses.fields(ServeConfig)} - {"model_name"}
+    return {name: getattr(args, name) for name in sorted(names) if getattr(args, name, None) is not None}
 
 
 def run_ray(args: argparse.Namespace) -> int:

@@ -73,9 +73,8 @@ class ReplicaSettings:
 @dataclasses.dataclass
 class IngressSettings:
     model_name: str | None = None  # default: the engine's name
-    default_max_tokens: int = 256
-    request_timeout: float = 300.0
     max_queue: int = 64  # requests waiting for a row across all replicas before 429
+    server_options: dict = dataclasses.field(default_factory=dict)  # the other `server.ServeConfig` fields
 
 
 @dataclasses.dataclass
@@ -173,7 +172,7 @@ class OpenAIIngress:
         from specrt.runtime.serving.server import ServeConfig, create_app
 
         s = self.settings
-        config = ServeConfig(s.model_name or self.remote.batcher.name, s.default_max_tokens, s.request_timeout)
+        config = ServeConfig(s.model_name or self.remote.batcher.name, **s.server_options)
         return create_app(self.remote, self.tokenizer, config)
 
 
