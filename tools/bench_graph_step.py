@@ -13,7 +13,8 @@ more than a decode step as soon as the weights stop dominating (int4: early).
 --decode N: where a plain decoding step's time goes instead. Each folder decodes N greedy tokens of
 the first --prompts MT-bench first turns through `Pipeline` (the path `specrt generate` takes), and
 the table splits a step's milliseconds into the target graph's call (time inside ONNX Runtime) and
-the host work around it (the loop, masks, bindings, argmax), prefill excluded.
+the host work around it (the loop, masks, bindings, argmax), prefill excluded, for the engine's
+bound call (`specrt.runtime.backends.ort_decode`) and its general path, interleaved.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def step_ms(model, tokens: int, context: int, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def decode_split(pipe, prompts, tokens: int) -> tuple[float, float, int]:
-    """(total ms, graph ms) per plain decoding step over `prompts`, and the steps timed."""
+def decode_split(pipe, prompts, tokens: int, bound: bool = True) -> tuple[float, float, int]:
+    """(total ms, graph ms) per plain decoding step over `prompts`, and the steps timed.
+    bound False: the engine's general path instead of its bound call (`OrtTargetEngine.lean_decode`)."""
     graph = pipe.model.fused or pipe.model.graph
     total = inside = 0.0
     steps = 0
     for prompt in prompts:
+        pipe.engine_for(len(prompt) + tokens).lean_decode = bound
         marks = {}
 
         def first(row, new, marks=marks):  # called once prefill has given the first token
@@ -71,11 +74,14 @@ def main_decode(args) -> int:
     pipes = {folder.rstrip("/").rsplit("/", 1)[-1]: Pipeline.from_engines(folder, threads=args.threads, drafter="none")
              for folder in args.engines.split(",")}
     questions = [q["turns"][0] for q in mtbench_questions()[: args.prompts]]
-    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in pipes}
-    for _ in range(args.rounds):
+    paths = {"bound call": True, "general path": False}
+    results: dict[str, list[tuple[float, float, int]]] = {f"{n} ({p})": [] for n in pipes for p in paths}
+    for r in range(args.rounds):
         for name, pipe in pipes.items():
             prompts = [pipe.encode(q) for q in questions]
-            results[name].append(decode_split(pipe, prompts, args.decode))
+            order = list(paths.items()) if r % 2 == 0 else list(paths.items())[::-1]
+            for path, bound in order:
+                results[f"{name} ({path})"].append(decode_split(pipe, prompts, args.decode, bound))
     print(f"plain decoding, ms per step ({args.prompts} MT-bench prompts x {args.decode} tokens, {args.threads} "
           f"threads, median of {args.rounds} rounds)\n")
     print("| engine | step | graph | host | host share | tok/s (decode) |")
