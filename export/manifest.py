@@ -19,7 +19,9 @@ Layout (format "specrt.engine", format_version 1):
                    markov_variant, sts_temperatures, policy {threshold, sps}; any kind: lookup
                    {max_tokens, threshold, min_match, max_match, alone_above}, the runtime's default
                    for drafts copied from the request's text (specrt.runtime.proposers.lookup)}
-    graphs        {name: {file, data (external-data file or null), description, custom_ops,
+    graphs        {name: {file, data (the external-data file it reads, or null: weights.data, one file
+                   that all graphs share, each tensor stored once: specrt.export.shared_weights),
+                   description, custom_ops,
                    inputs [{name, dtype, shape}], outputs [{name, dtype, shape}], runtime ("any", or
                    "onnxruntime" for target_ort, which uses ORT contrib ops: specrt.export.ort_fused)}}
                    shapes mix ints and dimension names (batch, seq, rows, past, capacity, block, ...)

@@ -58,6 +58,7 @@ import torch
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.llama import LlamaModel
 from specrt.export.onnx_export import _ONNX_DTYPE_NAMES, EXTERNAL_DATA_THRESHOLD, ExportedGraph, save_onnx
+from specrt.export.shared_weights import PARTS_KEY
 
 GRAPH_NAME = "target_ort"
 # the symbolic dim of position_ids / attention_bias: attention's rows (module docstring); folders
@@ -144,14 +145,15 @@ class _Builder:
         """Several projections of the same input as one MatMul on their weights concatenated along the
         output dim, then Split (none when `parts` is None: the consumer takes them packed): one kernel
         (and one activation quantization) instead of several.
-        The node records the part widths (`specrt.parts`) so the GGUF pass can find each part's blocks;
+        The node records the part widths (`specrt.parts`) so the GGUF pass can find each part's blocks
+        and specrt.export.shared_weights can store the packed weight as the portable graph's tensors;
         RTN quantization is per output column, so fusing changes no weight."""
         self.value_info.setdefault(x, ["batch", "seq", int(modules[0].weight.shape[1])])
         widths = [int(m.weight.shape[0]) for m in modules]
         w = self.weight(f"{name}.weight_t", torch.cat([m.weight for m in modules], dim=0), transpose=True)
         (y,) = self.node("MatMul", [x, w], [f"{name}.out"], name)
         entry = self.nodes[-1].metadata_props.add()
-        entry.key, entry.value = "specrt.parts", ",".join(map(str, widths))
+        entry.key, entry.value = PARTS_KEY, ",".join(map(str, widths))
         if any(m.bias is not None for m in modules):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(wd) for m, wd in zip(modules, widths)])
             b = self.weight(f"{name}.bias", bias)

@@ -138,6 +138,26 @@ def drop_unused_initializers(model) -> None:
     model.graph.initializer.extend(keep)
 
 
+def _part_marks(model) -> dict[str, str]:
+    """output name -> the `specrt.parts` mark of the node computing it (the ORT-fused graph's packed
+    projections: specrt.export.gguf_quant reads it, and specrt.export.shared_weights stores such a
+    weight as its parts when another graph holds them)."""
+    from specrt.export.shared_weights import PARTS_KEY
+
+    return {node.output[0]: prop.value for node in model.graph.node for prop in node.metadata_props
+            if prop.key == PARTS_KEY}
+
+
+def _restore_part_marks(model, marks: dict[str, str]) -> None:
+    """Mark the nodes that compute a marked output now (quantizers replace the MatMul and drop its marks)."""
+    from specrt.export.shared_weights import PARTS_KEY
+
+    for node in model.graph.node:
+        if node.output and node.output[0] in marks and not any(p.key == PARTS_KEY for p in node.metadata_props):
+            entry = node.metadata_props.add()
+            entry.key, entry.value = PARTS_KEY, marks[node.output[0]]
+
+
 def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_blocks: dict | None = None) -> dict:
     """Quantize one graph file in place (its external data file is rewritten too). Returns a summary."""
     import logging
@@ -151,6 +171,7 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
 
     path = Path(path)
     model = onnx.load(str(path), load_external_data=True)
+    parts = _part_marks(model)
     heads = gemm_heads_to_matmul(model) if options.lm_head else 0
     matmuls = sum(1 for n in model.graph.node if n.op_type == "MatMul")
     if options.weights == "w8a8":
@@ -173,6 +194,7 @@ def quantize_graph(path: Path, options: QuantOptions, external_data: bool, gguf_
             model = quantizer.model.model
         fold_head_reshapes(model)  # the fused graph's head is a MatMulNBits now
         quantized, op = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits"), "MatMulNBits"
+    _restore_part_marks(model, parts)
     drop_unused_initializers(model)
     if quantized == 0 and options.weights != "gguf":  # a drafter graph may hold no GGUF tensor at all
         raise SpecrtError(f"{path.name}: no MatMul could be quantized", "this graph has no constant-weight MatMul")
