@@ -9,11 +9,15 @@ when there is one.
 Stages print as they finish (time, peak RSS, graph size). The output folder is written atomically:
 everything goes to a hidden temp folder beside `out`, is validated (checker, shape inference,
 manifest checksums), and only then renamed into place. A failed export leaves no folder that looks
-valid and never touches an existing one.
+valid and never touches an existing one. An existing engine folder is replaced only with
+`overwrite=True` (`--overwrite`): the replacement is atomic, and files a user added there go with
+the old folder. A destination that cannot be written (read-only, no permission, a full disk) is a
+SpecrtError naming the path.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -96,14 +100,33 @@ def _default_out(target_name: str, kind: str) -> Path:
     return Path("engines") / (f"{safe}-{kind}" if kind != "none" else safe)
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, overwrite: bool = False) -> None:
     if out.exists() and not out.is_dir():
         raise SpecrtError(f"--out {out} is a file", "pass a folder path for the engine")
+    if (out / "manifest.json").is_file() and not overwrite:
+        raise SpecrtError(f"--out {out} is an existing engine folder",
+                          "pass --overwrite to replace it (files added to it are deleted with it), or pick another --out")
     if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
         raise SpecrtError(
             f"--out {out} exists and is not a specrt engine folder (no manifest.json); refusing to replace it",
             "pick another --out, or empty that folder yourself",
         )
+
+
+_UNWRITABLE = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable (permission denied)",
+               errno.EPERM: "is not writable (operation not permitted)", errno.ENOSPC: "is on a full disk",
+               errno.EDQUOT: "is on a disk over its quota"}
+
+
+def _unwritable(exc: OSError, out: Path) -> SpecrtError | None:
+    """The clear error for a destination that cannot take the folder (None: another OSError)."""
+    if exc.errno not in _UNWRITABLE:
+        return None
+    path = exc.filename or out.parent
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return SpecrtError(f"cannot write the engine folder: {path} {_UNWRITABLE[exc.errno]}",
+                       "free some space there, or pass --out on another disk" if full else
+                       "pass --out a folder you can write to")
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
@@ -140,9 +163,11 @@ def export_engine(
     ort_fused: bool = True,
     draft_options: DraftOptions | None = None,
     extra_files: Callable[[Path, str], str | None] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests).
 
+    overwrite: replace an existing engine folder at `out` (refused otherwise, before anything is loaded).
     draft_options: the drafting defaults the folder records (`specrt.export.draft_options`).
     extra_files(folder, target_name): writes more files into the folder before its manifest is built
     (the CLI passes the copy datastore and hit rates, which the runtime's proposers compute); returns a
@@ -172,6 +197,8 @@ def export_engine(
     if drafter_kind == "none" and drafter_ckpt is not None:
         raise SpecrtError("--drafter none was given together with --drafter-ckpt",
                           "pass --drafter eagle3|dflash|dspark with the checkpoint, or drop --drafter-ckpt")
+    if out is not None:
+        _check_out(Path(out), overwrite)  # before the long load and export
     draft_options = draft_options or DraftOptions()
     stages = _Stages(quiet)
 
@@ -200,10 +227,13 @@ def export_engine(
             info["note"] = f"taps {list(drafter.config.tap_layers)}"
 
     out = Path(out) if out is not None else _default_out(loaded_target.name, drafter_kind)
-    _check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_out(out, overwrite)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise (_unwritable(exc, out) or exc) from None
     try:
         specs = ox.graph_specs(model, drafter, torch_dtype)
         exported = []
@@ -253,11 +283,6 @@ def export_engine(
                                        gguf_blocks=gguf_blocks if scheme is quant else None)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> {q['op']}, {size / 2**20:.1f} MB"
-        if external_data != "never":  # never: each graph keeps its own weights inside it
-            from specrt.export.shared_weights import share_weights
-
-            with stages.stage("one weights file, each tensor once") as info:
-                info["note"] = share_weights(tmp, exported).note()
         if extra_files is not None:
             with stages.stage("extra files") as info:
                 info["note"] = extra_files(tmp, loaded_target.name)
@@ -297,8 +322,11 @@ def export_engine(
             mf.write_manifest(tmp, manifest)
             mf.load_manifest(tmp)  # the folder must pass the runtime's own checks before it goes live
         _swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        clear = _unwritable(exc, out) if isinstance(exc, OSError) else None
+        if clear is not None:
+            raise clear from None
         raise
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     stages.print(f"[bold]{out}[/bold]: {len(exported)} graphs, {total / 2**20:.1f} MB, "

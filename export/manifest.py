@@ -29,6 +29,13 @@ Layout (format "specrt.engine", format_version 1):
     tokenizer     {file: tokenizer.json, config: tokenizer_config.json}
     files         {relative path: {sha256, bytes}} for every file in the folder but manifest.json
 
+Trust: every file the runtime reads is in `files` and is checked on load. That includes the
+calibration files (sps.json, lookup.json, datastore.npz: `CALIBRATION_FILES`), which `specrt
+calibrate` writes after export: saving one into an engine folder records its checksum
+(`record_files`), and a calibration file in a folder whose manifest does not list it is refused
+rather than read unchecked. A listed file that is a symlink leading out of the folder (or a path
+through one) is refused: the folder must be self-contained, so what was checked is what runs.
+
 The target fingerprint is the sha256 of the target's config (canonical JSON); a drafter records the
 fingerprint of the target it was exported for, so a drafter section grafted onto another target's
 folder is refused even when the widths happen to agree.
@@ -52,6 +59,7 @@ FORMAT = "specrt.engine"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
+CALIBRATION_FILES = ("sps.json", "lookup.json", "datastore.npz")  # written after export; read when present
 _REEXPORT = "re-export the engine folder: specrt export --drafter KIND [--target ...] --out FOLDER"
 
 
@@ -201,6 +209,25 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
+def record_files(folder: str | Path, names: list[str]) -> bool:
+    """Record the checksums of files written into an exported folder after its manifest (calibration
+    files); the manifest is replaced atomically. False (nothing done) when folder has no manifest."""
+    import os
+
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    for name in names:
+        data["files"][_safe_relative(name, str(path))] = {"sha256": sha256_file(folder / name),
+                                                          "bytes": (folder / name).stat().st_size}
+    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return True
+
+
 # -- loading ---------------------------------------------------------------------------------------
 @dataclass
 class EngineManifest:
@@ -314,9 +341,19 @@ def load_manifest(folder: str | Path, verify_checksums: bool = True) -> EngineMa
         name = _safe_relative(name, source)
         if name not in files:
             raise SpecrtError(f"{source}: {name} is used but has no checksum in \"files\"", _REEXPORT)
+    for name in CALIBRATION_FILES:
+        if name not in files and (folder / name).exists():
+            raise SpecrtError(f"{folder / name} is read by the runtime but has no checksum in {source}",
+                              f"delete it and re-run `specrt calibrate --engines {folder}` (which records its "
+                              f"checksum), or {_REEXPORT} --overwrite")
+    inside = folder.resolve()
     for name, entry in files.items():
         _safe_relative(name, source)
         file = folder / name
+        real = file.resolve()  # follows symlinks, of the file and of folders on its path
+        if not real.is_relative_to(inside):
+            raise SpecrtError(f"{file} is a symlink to {real}, outside the engine folder",
+                              f"copy the file into {folder} (the folder must hold what its checksums describe)")
         if not file.is_file():
             raise SpecrtError(f"{file} is missing from the engine folder (listed in {source})",
                               f"restore the file or {_REEXPORT}")
@@ -377,5 +414,6 @@ def _check_drafter(drafter: dict[str, Any], target: dict[str, Any], target_cfg: 
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST", "EngineManifest", "build_manifest", "write_manifest", "load_manifest",
-    "drafter_section", "target_fingerprint", "sha256_file", "files_table", "versions",
+    "drafter_section", "target_fingerprint", "sha256_file", "files_table", "versions", "record_files",
+    "CALIBRATION_FILES",
 ]

@@ -176,7 +176,7 @@ def test_failed_export_never_overwrites_a_good_folder(engine, sources, tmp_path,
     siblings = sorted(p.name for p in engine.parent.iterdir())
     # a drafter trained for another target: refused before anything is written
     code = main(["--drafter", "dflash", "--target", str(sources / "tiny"), "--drafter-ckpt",
-                 str(sources / "other_dflash"), "--out", str(engine), "--quiet"])
+                 str(sources / "other_dflash"), "--out", str(engine), "--overwrite", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "fix:" in err and "Traceback" not in err
     # a failure half way through the graphs: the temp folder goes, the old folder stays
@@ -193,7 +193,8 @@ def test_failed_export_never_overwrites_a_good_folder(engine, sources, tmp_path,
 
     monkeypatch.setattr(onnx_export, "export_graph", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
-        export_engine("dspark", target=sources / "tiny", drafter_ckpt=sources / "dspark", out=engine, quiet=True)
+        export_engine("dspark", target=sources / "tiny", drafter_ckpt=sources / "dspark", out=engine, quiet=True,
+                      overwrite=True)
     assert snapshot(engine) == before
     assert sorted(p.name for p in engine.parent.iterdir()) == siblings  # no temp or backup folders left
 
@@ -219,7 +220,7 @@ def test_refuses_to_replace_a_folder_that_is_not_an_engine(sources, tmp_path):
 
 def test_target_only_export_replaces_an_engine_folder(engine, sources, tmp_path):
     copy = corrupt_copy(engine, tmp_path)
-    out = export_engine("none", target=sources / "tiny", out=copy, quiet=True)
+    out = export_engine("none", target=sources / "tiny", out=copy, quiet=True, overwrite=True)
     loaded = mf.load_manifest(out)
     assert loaded.data["drafter"] is None and set(loaded.graphs) == {"target"}
     assert [o["name"] for o in loaded.graphs["target"]["outputs"]] == ["logits", "new_keys", "new_values"]

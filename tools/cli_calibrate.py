@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specrt.plugins.errors import SpecrtError
     from specrt.tools.cli_generate import resolve_backend
+    from specrt.export.manifest import record_files
     from specrt.runtime.serving.calibrate import SPS_FILE, plot_sps, profile_sps
     from specrt.tools.cli_serve import load_pipeline
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                         meta={"engine": pipe.name, "backend": backend, "device": args.device,
                               "drafter": pipe.proposer.name if pipe.proposer is not None else "none"})
     table.save(out / SPS_FILE)
+    record_files(out, [SPS_FILE])  # in an engine folder: the runtime checks it against the manifest
     try:
         plot_sps(table, out / "sps.png")
         print(f"wrote {out / SPS_FILE} and {out / 'sps.png'}", file=sys.stderr)

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-ckpt", default=None,
                         help="drafter checkpoint folder (official format; default: the shipped one, if any)")
     parser.add_argument("--out", default=None, help="engine folder (default: engines/<target>-<drafter>)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out when it is an existing engine folder (atomically; files added to it "
+                             "are deleted with it)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPE_FLAGS), help="weights and K/V cache dtype")
     parser.add_argument("--opset", type=int, default=None, help="ONNX default-domain opset (18-23, default 20)")
     parser.add_argument("--capacity", type=int, default=None,
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         opset=args.opset, capacity=args.capacity, external_data=args.external_data, quiet=args.quiet,
         command=list(sys.argv), quant=quant, drafter_quant=drafter_quant, ort_fused=not args.no_ort_fused,
         draft_options=draft_options, extra_files=None if args.no_lookup_files else copy_files_for,
+        overwrite=args.overwrite,
     )
     return 0
 

@@ -151,16 +151,22 @@ class NgramDatastore:
     def save(self, path: str | Path) -> Path:
         import json
 
+        from specrt.export.manifest import record_files
+
         path = Path(path)
         with open(path, "wb") as f:  # a file object: np.savez would append .npz to another suffix
             np.savez(f, keys=self.keys, next_tokens=self.next_tokens,
                      config=np.array(json.dumps({"format": FORMAT, "max_match": self.max_match,
                                                  "min_continue": self.min_continue, "meta": self.meta})))
+        if path.name == DATASTORE_FILE:  # in an engine folder, the runtime checks it against the manifest
+            record_files(path.parent, [path.name])
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "NgramDatastore":
         import json
+        import zipfile
+        import zlib
 
         path = Path(path)
         try:
@@ -172,8 +178,9 @@ class NgramDatastore:
             if keys.dtype != np.uint64 or keys.shape != nexts.shape or (keys.size > 1 and not (keys[1:] > keys[:-1]).all()):
                 raise ValueError("keys must be sorted, unique uint64 with one next token each")
             return cls(keys, nexts, int(config["max_match"]), int(config["min_continue"]), config.get("meta", {}))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SpecrtError(f"cannot read the copy datastore {path}: {e}",
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            # empty, truncated or bit-flipped files raise any of these from numpy's zip reader
+            raise SpecrtError(f"cannot read the copy datastore {path} ({type(e).__name__}: {e})",
                               f"re-run `specrt calibrate` for this engine folder, or delete {path.name}") from None
 
 

@@ -19,7 +19,7 @@ draft depth: trials and hits, a trial at depth d only when the d-1 copies before
     rate(n, d) = (hits + w * p) / (trials + w),  p = (prior hits + 1) / (prior trials + 2)
 with `weight` w pseudo-trials per cell: the calibration decides the first steps, the live record
 takes over as it grows. Stored as `lookup.json` in an engine folder (written by `specrt
-calibrate`, read by `Pipeline.from_engines`), beside sps.json and outside the manifest's checksums.
+calibrate`, read by `Pipeline.from_engines`), with its checksum in the folder's manifest.
 
 Losslessness is untouched: the prior changes which copies are verified, never how they are checked.
 """
@@ -59,8 +59,12 @@ class LookupPrior:
                 "hits": {str(n): v for n, v in sorted(self.hits.items())}}
 
     def save(self, path: str | Path) -> Path:
+        from specrt.export.manifest import record_files
+
         path = Path(path)
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        if path.name == LOOKUP_FILE:  # in an engine folder, the runtime checks it against the manifest
+            record_files(path.parent, [path.name])
         return path
 
     @classmethod
@@ -77,7 +81,7 @@ class LookupPrior:
             if any(h > t for n in trials for h, t in zip(hits[n], trials[n])):
                 raise ValueError("more hits than trials")
             return cls(trials, hits, float(data.get("weight", DEFAULT_PRIOR_WEIGHT)), dict(data.get("meta", {})))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise SpecrtError(f"cannot read the lookup calibration {path}: {e}",
                               f"re-run `specrt calibrate` for this engine folder, or delete {path.name}") from None
 
