@@ -283,6 +283,11 @@ def export_engine(
                                        gguf_blocks=gguf_blocks if scheme is quant else None)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{q['quantized']}/{q['matmuls']} MatMuls -> {q['op']}, {size / 2**20:.1f} MB"
+        if external_data != "never":  # never: each graph keeps its own weights inside it
+            from specrt.export.shared_weights import share_weights
+
+            with stages.stage("one weights file, each tensor once") as info:
+                info["note"] = share_weights(tmp, exported).note()
         if extra_files is not None:
             with stages.stage("extra files") as info:
                 info["note"] = extra_files(tmp, loaded_target.name)
