@@ -122,6 +122,7 @@ class Job:
     def __init__(self, loop: asyncio.AbstractEventLoop, engine: EngineLoop, req: Request) -> None:
         self.aloop, self.engine, self.req = loop, engine, req
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.disconnected = False
         req.on_tokens = lambda r, toks: self._put(("tokens", list(toks)))
         req.on_finish = lambda r: self._put(("finish", r.finish_reason))
 
@@ -148,8 +149,6 @@ class Job:
         self.disconnected = True
         self.cancel()
 
-    disconnected = False
-
 
 class Drain:
     """Graceful shutdown: begin() (on the event loop, from `http_server.HttpServer.shutdown`) refuses
@@ -168,9 +167,15 @@ class Drain:
             log.warning("shutting down: %d requests may finish within %gs", len(self.jobs), self.seconds)
         asyncio.get_running_loop().call_later(self.seconds, self.cut)
 
+    def add(self, job: Job) -> None:
+        # finished jobs leave here; a stream whose client left before it started never runs its cleanup
+        self.jobs = {j for j in self.jobs if not j.req.done}
+        self.jobs.add(job)
+
     def cut(self) -> None:
         for job in list(self.jobs):
-            job.cut()
+            if not job.req.done:
+                job.cut()
 
 
 def shutdown_error(seconds: float) -> ApiError:
@@ -294,7 +299,7 @@ def create_app(engine: EngineLoop, tokenizer, config: ServeConfig):
                            "rate_limit_error") from None
         except SpecrtError as exc:
             raise ApiError(400, exc.problem, "prompt", "invalid_value") from None
-        drain.jobs.add(job)
+        drain.add(job)
         return job
 
     def stats(req: Request) -> dict:
