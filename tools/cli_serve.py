@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_exposure_arguments(s) -> None:
     """Flags for a server others can reach (docs/serving-security.md)."""
-    s.add_argument("--api-key", default=os.environ.get("SPECRT_API_KEY") or None,
+    s.add_argument("--api-key",  # the environment is read in run(): a default here would print the key in --help
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $SPECRT_API_KEY; "
                         "the environment keeps the key out of the process list)")
     s.add_argument("--max-request-bytes", type=int,
@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecrtError("--max-queue, --request-timeout and --default-max-tokens must be positive",
                           "e.g. --max-queue 64 --request-timeout 300 --default-max-tokens 256")
     check_exposure_arguments(args)
+    args.api_key = args.api_key or os.environ.get("SPECRT_API_KEY") or None
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
