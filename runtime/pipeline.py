@@ -2,7 +2,7 @@
 
     from specrt.runtime.pipeline import Pipeline
 
-    pipe = Pipeline.from_engines("engines/SmolLM2-135M-Instruct-eagle3", threads=2)   # ONNX Runtime
+    pipe = Pipeline.from_engines("engines/SmolLM2-135M-Instruct-eagle3", threads=2)   # ONNX Runtime, --drafter auto
     out = pipe.generate("Why is the sky blue?", max_new_tokens=128)
     print(out.text, out.stats.tau, out.tokens_per_second)
     pipe.generate("Tell me a joke", temperature=0.7, seed=1, on_text=print)          # streaming
@@ -64,12 +64,16 @@ class Pipeline:
     @classmethod
     def from_engines(cls, folder: str | Path, device: str = "cpu", threads: int | None = None,
                      drafter: str = "auto", draft_options=None, verify_checksums: bool = True,
-                     exact_plain: bool = True) -> "Pipeline":
+                     exact_plain: bool = True, compare_auto: bool = False) -> "Pipeline":
         """An engine folder written by `specrt export`, run by ONNX Runtime.
 
-        drafter: "auto" uses the folder's drafter (plain decoding when it has none), "none" skips it,
-        a kind ("eagle3", ...) insists on that kind, "lookup" speculates with copies from the text
-        alone (any folder; `specrt.runtime.proposers.lookup`).
+        drafter: "auto" (the default) runs, round by round, whichever of plain steps, copies from the
+        text and the folder's drafter (where it has one) measures the most tokens per second
+        (`specrt.runtime.proposers.auto`); "none" decodes plainly; a kind ("eagle3", ...) insists on
+        the folder's drafter of that kind; "lookup" speculates with copies from the text alone (any
+        folder; `specrt.runtime.proposers.lookup`).
+        compare_auto: a named drafter (or "lookup") also runs occasional probe rounds of the other
+        choices, so `proposer.slower_note()` can say when the automatic choice was faster.
         exact_plain: False trades plain decoding's exactness on int8-activation engines for ~7% speed
         (`load_engines`); speculative output is exact either way.
         """
@@ -78,14 +82,22 @@ class Pipeline:
 
         options = SessionOptions(device=device, threads=threads)
         lookup_only = drafter == "lookup"  # needs no drafter graph: any engine folder can run it
+        # auto verifies copies on any folder: the target is set up for speculation (load_engines)
         engines = load_engines(folder, options, with_drafter=drafter not in ("none", "lookup"),
-                               verify_checksums=verify_checksums, lookup_only=lookup_only, exact_plain=exact_plain)
+                               verify_checksums=verify_checksums, lookup_only=drafter in ("lookup", "auto"),
+                               exact_plain=exact_plain)
         if drafter not in ("auto", "none", "lookup") and engines.drafter_kind != drafter:
             raise SpecrtError(
                 f"{folder} holds a {engines.drafter_kind or 'target-only'} engine, not {drafter}",
                 f"export one with --drafter {drafter}, or leave --drafter at auto to use the folder's own",
             )
-        proposer = engines.proposer(draft_options, lookup_only=lookup_only)
+        if drafter == "none":
+            proposer = None
+        elif drafter == "auto":
+            proposer = engines.proposer(draft_options, measured="auto")
+        else:
+            proposer = engines.proposer(draft_options, lookup_only=lookup_only,
+                                        measured="named" if compare_auto else None)
         pipe = cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
                    lambda capacity, batch, spare: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
         pipe.source = engines.manifest.data["target"].get("source")

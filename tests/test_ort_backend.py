@@ -70,7 +70,7 @@ def test_split_window_mask_matches_the_slot_view():
 
 
 def test_plain_decoding_equals_torch(folders):
-    ort_pipe = Pipeline.from_engines(folders["engines"]["none"])
+    ort_pipe = Pipeline.from_engines(folders["engines"]["none"], drafter="none")
     ref = torch_pipeline(folders).generate_ids(PROMPTS, 24)
     got = ort_pipe.generate_ids(PROMPTS, 24)
     assert got.tokens == ref.tokens
@@ -81,7 +81,7 @@ def test_plain_decoding_equals_torch(folders):
 def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, kind):
     plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
     torch_spec = torch_pipeline(folders, kind)
-    ort_pipe = Pipeline.from_engines(folders["engines"][kind], draft_options=torch_spec_options(torch_spec))
+    ort_pipe = Pipeline.from_engines(folders["engines"][kind], drafter=kind, draft_options=torch_spec_options(torch_spec))
     assert ort_pipe.proposer.name == kind
     for i, prompt in enumerate(PROMPTS):  # batch 1
         got = ort_pipe.generate_ids([prompt], 24)
@@ -152,7 +152,7 @@ def test_the_cache_is_bound_in_place(folders, monkeypatch):
     """Every step hands ORT the engine's own cache buffers: nothing copies the K/V cache."""
     from specrt.runtime.backends.ort_session import OrtGraph
 
-    pipe = Pipeline.from_engines(folders["engines"]["dspark"])
+    pipe = Pipeline.from_engines(folders["engines"]["dspark"], drafter="dspark")
     seen = []
     original = OrtGraph.run
 
@@ -197,7 +197,8 @@ def test_bad_input_is_refused_clearly(folders, tmp_path):
 def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     out = subprocess.run(
         [sys.executable, "-m", "specrt.runtime", "generate", "--engines", str(folders["engines"]["dspark"]),
-         "--prompt", "w5 w9 w23", "--no-chat-template", "--max-new-tokens", "12", "--speedup", "--threads", "1"],
+         "--drafter", "dspark", "--prompt", "w5 w9 w23", "--no-chat-template", "--max-new-tokens", "12", "--speedup",
+         "--threads", "1"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr

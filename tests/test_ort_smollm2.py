@@ -53,7 +53,7 @@ def test_shipped_drafter_on_ort_is_lossless_and_accepts(kind, default_target, pr
     folder = export_engine(kind, out=tmp_path / f"smollm2-{kind}", quiet=True, loaded_target=default_target,
                            lookup_files=with_files)
     assert (folder / "datastore.npz").exists() == with_files and (folder / "lookup.json").exists() == with_files
-    pipe = Pipeline.from_engines(folder, threads=2)
+    pipe = Pipeline.from_engines(folder, threads=2, drafter=kind)
     assert pipe.proposer.name == kind
     result = pipe.generate_ids(prompts, TOKENS)
     assert result.tokens == plain_tokens

@@ -95,7 +95,7 @@ def test_quantized_logits_follow_the_quantized_weights(engines):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_speculation_is_lossless_against_the_quantized_target(engines, weights):
-    pipe = Pipeline.from_engines(engines[weights])
+    pipe = Pipeline.from_engines(engines[weights], drafter="dspark")
     plain = pipe.generate_ids(PROMPTS, 20, speculative=False)
     spec = pipe.generate_ids(PROMPTS, 20)
     assert spec.tokens == plain.tokens

@@ -51,8 +51,10 @@ def add_model_arguments(p: argparse.ArgumentParser, backends=("auto", "ort", "to
     p.add_argument("--no-verify", action="store_true", help="ort: skip the sha256 check of the engine files at load")
     d = p.add_argument_group("speculative decoding", "each drafting flag given overrides the engine folder's recorded default of the same name; the rest stay the folder's")
     d.add_argument("--drafter", default="auto", choices=["auto", "none", "eagle3", "dflash", "dspark", "lookup"],
-                   help="auto: the engine folder's drafter (ort) / none (torch); none: plain decoding; lookup: "
-                   "no drafter, drafts copied from the prompt and the text so far")
+                   help="auto (engine folders): each step, whichever of plain decoding, copies from the text and "
+                   "the folder's drafter measures the most tokens/s (torch: none); none: plain decoding; lookup: "
+                   "no drafter, drafts copied from the prompt and the text so far; a kind: that drafter (with a note "
+                   "when the automatic choice measured faster)")
     d.add_argument("--drafter-ckpt", help="drafter folder (config.json + model.safetensors, official format)")
     add_draft_arguments(d)
     return d
@@ -84,7 +86,9 @@ def build_pipeline(args: argparse.Namespace, options):
 
         return trt_pipeline(args.engines, options)
     if backend == "ort":
+        # a named drafter is measured against the automatic choice in probe rounds (the note after the stats)
         return Pipeline.from_engines(args.engines, device=args.device, threads=args.threads, drafter=args.drafter,
+                                     compare_auto=True,
                                      draft_options=options, verify_checksums=not args.no_verify)
     drafter = "none" if args.drafter == "auto" else args.drafter
     return Pipeline.from_checkpoint(args.target, drafter, args.drafter_ckpt, args.device, DTYPES[args.dtype], options)
@@ -124,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     sys.stdout.write("\n")
     print(summary_line(result.stats, wall), file=sys.stderr)
+    note = getattr(pipe.proposer, "slower_note", lambda: None)()
+    if note:  # a named drafter that the automatic choice would have beaten on this request
+        print(note, file=sys.stderr)
     if args.speedup and pipe.proposer is not None:
         start = time.perf_counter()
         plain = pipe.generate_ids([ids], args.max_new_tokens, sampling, speculative=False, capacity=args.capacity)

@@ -83,16 +83,31 @@ class OrtEngines:
     def name(self) -> str:
         return str(self.manifest.data.get("name", self.folder.name))
 
-    def proposer(self, options=None, lookup_only: bool = False):
+    def proposer(self, options=None, lookup_only: bool = False, measured: str | None = None):
         """The folder's drafter as a proposer (None without one); lookup_only: the drafter-free
-        lookup proposer instead, which needs no drafter graph."""
-        from specrt.runtime.proposers.factory import lookup_proposer, proposer_for
+        lookup proposer instead, which needs no drafter graph.
+
+        measured "auto": per round the fastest of plain steps, the copies alone and the folder's
+        drafter (`specrt.runtime.proposers.auto`; what `--drafter auto` runs); "named": the proposer
+        above, measured against the others in probe rounds (a note when it was the slower choice)."""
+        from specrt.runtime.proposers.factory import lookup_proposer, measured_proposer
 
         options = with_folder_lookup(options or from_manifest(self.manifest.data), self.folder,
                                      free_first=self.target.two_row_decode,
                                      vocab_size=int(self.target.config.vocab_size))
+        if measured not in (None, "auto", "named"):
+            raise ValueError(f"measured must be None, 'auto' or 'named', got {measured!r}")
         if lookup_only:
-            return lookup_proposer(options)
+            return lookup_proposer(options) if measured is None else measured_proposer(
+                options, None, None if measured == "auto" else "copies")
+        drafter = self._drafter_proposer(options)
+        if measured is None:
+            return drafter
+        return measured_proposer(options, drafter, "drafter" if measured == "named" and drafter is not None else None)
+
+    def _drafter_proposer(self, options):
+        from specrt.runtime.proposers.factory import proposer_for
+
         if self.drafter is None:
             return None
         if self.target.two_row_decode:

@@ -72,6 +72,16 @@ def proposer_for(kind: str, drafter, options: DraftOptions | None = None, chain_
     return with_lookup(proposer, options, chain_only)
 
 
+def measured_proposer(options: DraftOptions, drafter=None, pinned: str | None = None):
+    """`--drafter auto` (pinned None): per round, whichever of plain steps, the copies alone
+    (`lookup_proposer(options)`) and `drafter` (a drafter with copies grafted on; None: none) measured
+    the most tokens per second; pinned "drafter" / "copies": that one (a drafter the user named),
+    measured against the others in probe rounds (`specrt.runtime.proposers.auto`)."""
+    from specrt.runtime.proposers.auto import AutoProposer
+
+    return AutoProposer(lookup_proposer(options), drafter, pinned)
+
+
 def lookup_proposer(options: DraftOptions):
     """The drafter-free proposer: drafts copied from the request's own text."""
     from specrt.runtime.proposers.lookup import LookupProposer

@@ -1,0 +1,294 @@
+"""`--drafter auto`: each round, the way of drafting that measured the most tokens per second so far in
+this request (plain steps, copies, or the drafter with copies grafted on).
+
+Why. Which proposer pays depends on the device, the weights and the text (DESIGN.md section 5). On
+a CPU every verified row costs: copies from the text pay where the text repeats itself, a drafter
+pays where it was trained and costs a forward pass every round, and where neither lands a plain
+step is the fastest. No fixed choice is right for every request, so the choice is measured.
+
+Arms (each one way to fill a round):
+  plain    no drafts: the round verifies the anchor alone (an empty proposal)
+  copies   drafts copied from the request's text and the folder's datastore (`LookupProposer`)
+  drafter  the folder's drafter, copies grafted on (`WithLookup`), where the folder has a drafter
+A round's cost is the wall time from one `propose` call to the next: drafting, the verify forward,
+acceptance and every bit of host work the round made the loop do. Its yield is the tokens the
+target committed in it (anchor + accepted drafts = the tokens the round emitted). Per arm, tokens
+and seconds are decayed sums (decay per sample of that arm), so a rate is tokens / seconds and a run
+of cheap one-token rounds cannot outvote fewer long accepted chains.
+
+Choice (`_choose`, a few dict reads per round: a small CPU model's plain step is ~7-10 ms):
+  - warm-up: each arm runs `warmup` rounds (copies, then the drafter, then plain);
+  - then the arm with the best rate runs; every `probe_every` rounds the other arm that ran least
+    recently runs once, so its estimate follows the text and the load. While probes confirm the
+    leader the interval doubles up to `max_probe`; when the leader changes it restarts at
+    `first_probe`. A probe of a slower arm costs at most one round of that arm per `probe_every`
+    rounds of the leader (1/64 of the rounds once settled).
+  - estimates carry over to the next request of the same pipeline with their weight cut to `carry`:
+    a request starts from what the last one measured (no second warm-up) and probes early.
+
+A named drafter (`pinned`): the user's choice runs every round except probes of the other arms
+(after `pinned_first_probe` rounds, then doubling up to `pinned_max_probe`, i.e. 1 round in 32 once
+settled; a plain or copies probe costs about one plain round). The probes measure what the
+automatic choice would have delivered, and `slower_note()` says so when the named drafter was
+slower on the request. Without the probes there would be nothing to compare with.
+
+Lossless. Every arm's drafts are verified by the target exactly as when that arm runs alone. Which
+arm runs depends only on the counts of committed tokens and on measured times, never on the target's
+output for tokens not yet verified, so greedy output is the target's whatever is chosen and sampled
+output keeps the target's distribution. A seeded sampled request, whose text users expect to repeat,
+runs one arm for the whole request (the drafter where there is one, else the copies; a named arm
+without probes): choices that follow the clock would consume its random stream differently from one
+run to the next.
+
+Drafter state. The drafter's cache mirrors the target's, so it must see every committed token. While
+other arms run, committed tokens and their taps wait in a backlog and are ingested in one call when
+the drafter next drafts (one observe of k rounds' tokens equals k observes: context entries are per
+position). That catch-up is charged to the drafting round only as one round's share. The prompt is
+ingested at prefill, as without auto; the copies' index is fed every round (a few dict writes per
+token). The target returns the drafter's taps every round, whichever arm runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.sampling import SamplingParams
+
+PLAIN, COPIES, DRAFTER = "plain", "copies", "drafter"
+_EMPTY = Proposal.chain(torch.empty(0, dtype=torch.long))  # a plain step: the anchor alone
+NOTE_MARGIN = 1.05  # the named drafter must trail the best other arm by more than this to earn a note
+
+
+@dataclass
+class ArmRate:
+    """Decayed sums of one arm's yield and cost, and this request's plain sums (for the note)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0
+    last: int = -1  # round index it last ran
+    request_tokens: int = 0
+    request_seconds: float = 0.0
+    request_rounds: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.count += 1
+        self.request_tokens += tokens
+        self.request_seconds += seconds
+        self.request_rounds += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def request_rate(self) -> float:
+        return self.request_tokens / self.request_seconds if self.request_seconds > 0 else 0.0
+
+
+class AutoProposer:
+    """Runs plain, copies and drafter rounds by measured tokens/s (module docstring)."""
+
+    free_drafts = False
+
+    def __init__(self, copies, drafter=None, pinned: str | None = None, *, warmup: int = 2, decay: float = 0.8,
+                 first_probe: int = 8, max_probe: int = 64, pinned_first_probe: int = 4, pinned_max_probe: int = 32,
+                 carry: float = 0.25, fixed_when_seeded: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.copies = copies
+        self.drafter = drafter
+        # the drafter alone (what the backlog feeds): WithLookup's inner, or the drafter itself
+        self.inner = getattr(drafter, "inner", drafter) if drafter is not None else None
+        if drafter is not None and hasattr(drafter, "observe_copies"):
+            # one copy index for both arms, fed once per round (same settings: one DraftOptions)
+            drafter.lookup = copies.lookup
+        self.arms = (COPIES, DRAFTER, PLAIN) if drafter is not None else (COPIES, PLAIN)
+        if pinned is not None and pinned not in self.arms:
+            raise ValueError(f"pinned arm {pinned!r} is not one of {self.arms}")
+        self.pinned = pinned
+        self.labels = {PLAIN: "plain", COPIES: copies.name, DRAFTER: drafter.name if drafter is not None else ""}
+        self.name = "auto" if pinned is None else self.labels[pinned]
+        self.tap_layers = tuple(drafter.tap_layers) if drafter is not None else ()
+        self.max_drafts = max(copies.max_drafts, drafter.max_drafts if drafter is not None else 0)
+        self.warmup, self.decay, self.carry = int(warmup), float(decay), float(carry)
+        self.first_probe, self.max_probe = (int(pinned_first_probe), int(pinned_max_probe)) if pinned else (
+            int(first_probe), int(max_probe))
+        self.fixed_when_seeded = bool(fixed_when_seeded)
+        self.clock = clock
+        self.rates = {arm: ArmRate() for arm in self.arms}
+        self.leader: str | None = None
+        self._new_request(0)
+
+    # ---------------------------------------------------------------- the Proposer interface
+    def reset(self, batch_size: int, capacity: int) -> None:
+        self.copies.reset(batch_size, capacity)
+        if self.inner is not None:
+            self.inner.reset(batch_size, capacity)
+        self._new_request(batch_size)
+
+    def _new_request(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.backlog: dict[int, tuple[list[int], list[torch.Tensor], list[int]]] = {}
+        self.backlog_rounds = 0
+        self.open: str | None = None  # the arm of the round in flight
+        self.started = 0.0
+        self.credit = 0.0  # seconds of the round not charged to its arm (drafter catch-up)
+        self.round_tokens = 0
+        self.round = 0
+        self.since_probe = 0
+        self.probe_every = self.first_probe
+        for r in self.rates.values():  # what earlier requests measured, at a lower weight
+            r.tokens, r.seconds = r.tokens * self.carry, r.seconds * self.carry
+            r.request_tokens, r.request_seconds, r.request_rounds, r.last = 0, 0.0, 0, -1
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.copies.lengths
+
+    def context_length(self, row: int) -> int:
+        return self.copies.context_length(row)
+
+    def observe(self, rows: Sequence[int], tokens: Sequence[Sequence[int]], taps: Sequence[torch.Tensor],
+                next_tokens: Sequence[int]) -> None:
+        if self.open is not None:
+            self.round_tokens += sum(len(t) for t in tokens)
+        self.copies.observe(rows, tokens, taps, next_tokens)
+        if self.inner is None:
+            return
+        if self.open is None:  # the prompt, at prefill: ingested now, as without auto
+            self.inner.observe(rows, tokens, taps, next_tokens)
+            return
+        for b, toks, tap, nxt in zip(rows, tokens, taps, next_tokens):
+            waiting = self.backlog.get(b)
+            if waiting is None:
+                waiting = self.backlog[b] = ([], [], [0])
+            waiting[0].extend(int(t) for t in toks)
+            waiting[1].append(None if tap is None else tap.clone())  # the engine may reuse its buffers
+            waiting[2][0] = int(nxt)
+        self.backlog_rounds += 1
+
+    def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
+        timer = getattr(self.copies, "observe_step_time", None)
+        if timer is not None:  # the copies size themselves by the step cost (step_cost.py)
+            timer(batch, positions, seconds)
+
+    def propose(self, rows: Sequence[int], anchors: Sequence[int], sampling: SamplingParams,
+                generator: torch.Generator | None) -> list[Proposal]:
+        now = self.clock()
+        if self.open is not None:
+            self._close(now)
+        arm = self._choose(sampling)
+        self.open, self.started, self.credit = arm, now, 0.0
+        self.rates[arm].last = self.round
+        self.round += 1
+        if arm == PLAIN:
+            lookup = getattr(self.copies, "lookup", None)
+            if lookup is not None:
+                # copies not verified are still scored once the target answers: the copy record keeps
+                # learning in plain rounds (a few dict reads per row)
+                for b in rows:
+                    lookup.chain(b)
+            return [_EMPTY] * len(rows)
+        if arm == COPIES:
+            return self.copies.propose(rows, anchors, sampling, generator)
+        self._catch_up()
+        return self.drafter.propose(rows, anchors, sampling, generator)
+
+    # ---------------------------------------------------------------- measuring and choosing
+    def _close(self, now: float) -> None:
+        arm = self.open
+        self.rates[arm].add(self.round_tokens, max(now - self.started - self.credit, 1e-9), self.decay)
+        self.round_tokens = 0
+        self.open = None
+
+    def _best(self) -> str:
+        return max(self.arms, key=lambda a: self.rates[a].rate)
+
+    def _choose(self, sampling: SamplingParams) -> str:
+        if self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None:
+            if self.pinned is not None:
+                return self.pinned
+            return DRAFTER if self.drafter is not None else COPIES
+        if self.pinned is None:
+            for arm in self.arms:
+                if self.rates[arm].count < self.warmup:
+                    return arm
+            best = self._best()
+            if best != self.leader:  # a new leader (a probe overtook it): look at the others again soon
+                self.leader, self.probe_every, self.since_probe = best, self.first_probe, 0
+        else:
+            best = self.pinned
+        self.since_probe += 1
+        if self.since_probe < self.probe_every:
+            return best
+        self.since_probe = 0
+        self.probe_every = min(2 * self.probe_every, self.max_probe)
+        return min((a for a in self.arms if a != best), key=lambda a: self.rates[a].last)
+
+    def _catch_up(self) -> None:
+        """Feed the drafter what was committed while other arms ran (one observe call)."""
+        if not self.backlog:
+            return
+        start = self.clock()
+        rows = sorted(self.backlog)
+        waiting = [self.backlog[b] for b in rows]
+        taps = [None if w[1][0] is None else torch.cat(w[1]) for w in waiting]
+        self.inner.observe(rows, [w[0] for w in waiting], taps, [w[2][0] for w in waiting])
+        # a drafter running every round ingests one round's tokens per round: charge that share only
+        self.credit = (self.clock() - start) * (1.0 - 1.0 / max(self.backlog_rounds, 1))
+        self.backlog.clear()
+        self.backlog_rounds = 0
+
+    # ---------------------------------------------------------------- reporting
+    def summary(self) -> dict[str, dict[str, float]]:
+        """This request's rounds and tokens/s per arm (decode rounds only, prefill excluded)."""
+        return {self.labels[a]: {"rounds": r.request_rounds, "tok_s": r.request_rate}
+                for a, r in self.rates.items() if r.request_rounds}
+
+    def slower_note(self) -> str | None:
+        """One line when a named drafter ran slower on this request than the automatic choice's best
+        arm measured in its probes (None otherwise, and always for `auto`)."""
+        if self.pinned is None:
+            return None
+        mine = self.rates[self.pinned]
+        if not mine.request_rounds:
+            return None
+        probed = [a for a in self.arms if a != self.pinned and self.rates[a].request_rounds]
+        if not probed:
+            return None
+        best = max(probed, key=lambda a: self.rates[a].rate)
+        if self.rates[best].rate <= mine.request_rate * NOTE_MARGIN:
+            return None
+        what = "plain decoding" if best == PLAIN else self.labels[best]
+        return (f"note: {self.name} ran at {mine.request_rate:.1f} tok/s on this request, {what} measured "
+                f"{self.rates[best].rate:.1f} tok/s in probe rounds (--drafter auto picks the fastest)")
+
+    # hooks the serving batcher and the decode step probe with hasattr: never the arms'
+    _OWN = frozenset({"observe_copies", "observe_drafter", "propose_copies", "prefix_view", "reset_row",
+                      "last_chains", "lookup", "copies", "drafter", "inner", "pinned", "rates"})
+
+    def __getattr__(self, name: str):
+        # what callers read off the proposer they asked for (k_cache, top_k, threshold, block_size):
+        # the drafter's, else the copies'
+        if name.startswith("__") or name in AutoProposer._OWN:
+            raise AttributeError(name)
+        arm = self.__dict__.get("drafter") or self.__dict__.get("copies")
+        if arm is None:
+            raise AttributeError(name)
+        return getattr(arm, name)
+
+    @property
+    def serving_proposer(self):
+        """What the serving batcher drives: the drafter with copies (its draft gate and measured gate
+        make the same choice per step from their own measurements), else the copies alone."""
+        if self.pinned == PLAIN:
+            return None
+        if self.pinned == COPIES or self.drafter is None:
+            return self.copies
+        return self.drafter

@@ -1,0 +1,285 @@
+"""`--drafter auto` (`specrt.runtime.proposers.auto`): the measured choice among plain steps, copies and
+the drafter picks the arm that delivers the most tokens per second, never changes greedy output, keeps
+sampling exact, and a named drafter that was slower than the automatic choice gets a note.
+
+Step costs are injected: a fake clock advances by a verify cost (c0 + c1 per verified row) in the
+target's forward and by a drafting cost in the drafter arm, so the choices are deterministic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specrt.runtime.backends.torch_backend import TorchTargetEngine
+from specrt.runtime.proposers.auto import COPIES, DRAFTER, PLAIN, AutoProposer
+from specrt.runtime.proposers.lookup import LookupProposer, WithLookup
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.speculative import generate_speculative
+from test_lookup import LOOPY
+from test_speculative import (
+    PROMPTS,
+    block,
+    chi_square_pvalue,
+    eagle3,
+    exact_first_tokens,
+    plain,
+    sampled,
+    small_target,  # noqa: F401  (a fixture)
+    tiny_target,
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostedEngine(TorchTargetEngine):
+    """A torch engine whose forward advances the fake clock by c0 + c1 * verified rows."""
+
+    def __init__(self, model, capacity, batch, clock: FakeClock, c0: float = 0.008, c1: float = 0.002):
+        super().__init__(model, capacity, batch)
+        self.clock, self.c0, self.c1 = clock, c0, c1
+
+    def forward(self, ids, positions, new_mask, logits_rows=None):
+        self.clock.now += self.c0 + self.c1 * int(ids.shape[0] * ids.shape[1])
+        return super().forward(ids, positions, new_mask, logits_rows)
+
+
+class Scripted:
+    """Drafts n tokens per row from a known continuation: right (they all land) or shifted by one
+    (none lands). Test-only: it reads the plain output to know what the target will say."""
+
+    tap_layers = ()
+
+    def __init__(self, truth: list[list[int]], right: bool, n: int = 4, clock: FakeClock | None = None,
+                 cost: float = 0.0, name: str = "scripted") -> None:
+        self.truth, self.right, self.n, self.clock, self.cost, self.name = truth, right, n, clock, cost, name
+        self.max_drafts = n
+
+    def reset(self, batch_size, capacity):
+        self.lengths = [0] * batch_size
+        self.anchor_index = [-1] * batch_size
+
+    def context_length(self, row):
+        return self.lengths[row]
+
+    def observe(self, rows, tokens, taps, next_tokens):
+        for b, toks in zip(rows, tokens):
+            # the prompt sets the anchor at output index 0; each round moves it by anchor + accepted
+            self.anchor_index[b] = 0 if self.anchor_index[b] < 0 else self.anchor_index[b] + len(toks)
+            self.lengths[b] += len(toks)
+
+    def propose(self, rows, anchors, sampling, generator):
+        from specrt.runtime.proposers.base import Proposal
+
+        if self.clock is not None:
+            self.clock.now += self.cost
+        out = []
+        for b in rows:
+            i = self.anchor_index[b] + 1
+            want = self.truth[b][i:i + self.n] or [0]
+            out.append(Proposal.chain(torch.tensor([t if self.right else (t + 1) % 61 for t in want])))
+        return out
+
+
+def _counting(proposer: AutoProposer, sequence: list[str] | None = None) -> dict[str, int]:
+    """Wrap proposer._choose to count the arms it runs (and list them in `sequence`)."""
+    counts = {PLAIN: 0, COPIES: 0, DRAFTER: 0}
+    choose = proposer._choose
+
+    def counted(sampling):
+        arm = choose(sampling)
+        counts[arm] += 1
+        if sequence is not None:
+            sequence.append(arm)
+        return arm
+
+    proposer._choose = counted
+    return counts
+
+
+def _after_warmup(arms: list[str], leader: str, warmup_rounds: int = 6) -> None:
+    """After the warm-up every round is the leader's but the probes (at most one in 8 rounds)."""
+    rest = arms[warmup_rounds:]
+    assert rest and rest.count(leader) >= len(rest) - (len(rest) + 7) // 8, arms
+
+
+def _run(target, proposer, prompts, n, clock, sampling=None):
+    engine = CostedEngine(target, 256, len(prompts), clock)
+    return generate_speculative(engine, proposer, prompts, n, sampling or SamplingParams())
+
+
+def test_auto_picks_plain_when_drafts_never_land(target):
+    truth = plain(target, PROMPTS, 48)
+    clock = FakeClock()
+    auto = AutoProposer(Scripted(truth, right=False), Scripted(truth, right=False, clock=clock, cost=0.004),
+                        clock=clock)
+    arms: list[str] = []
+    _counting(auto, arms)
+    result = _run(target, auto, PROMPTS, 48, clock)
+    assert result.tokens == truth
+    _after_warmup(arms, PLAIN)
+    summary = auto.summary()
+    assert summary["plain"]["tok_s"] > max(v["tok_s"] for k, v in summary.items() if k != "plain")
+
+
+def test_auto_picks_copies_when_they_land(target):
+    truth = plain(target, PROMPTS, 48)
+    clock = FakeClock()
+    auto = AutoProposer(Scripted(truth, right=True), Scripted(truth, right=False, clock=clock, cost=0.004),
+                        clock=clock)
+    arms: list[str] = []
+    _counting(auto, arms)
+    result = _run(target, auto, PROMPTS, 48, clock)
+    assert result.tokens == truth
+    _after_warmup(arms, COPIES)
+
+
+def test_auto_picks_a_drafter_that_pays_for_itself(target):
+    truth = plain(target, PROMPTS, 48)
+    clock = FakeClock()
+    auto = AutoProposer(Scripted(truth, right=False, n=2), Scripted(truth, right=True, n=6, clock=clock, cost=0.003),
+                        clock=clock)
+    arms: list[str] = []
+    _counting(auto, arms)
+    assert _run(target, auto, PROMPTS, 48, clock).tokens == truth
+    _after_warmup(arms, DRAFTER)
+
+
+def test_the_leader_changes_when_the_text_does(target):
+    """Copies land for the first half of the request, then stop: auto moves to plain steps."""
+    truth = plain(target, [PROMPTS[0]], 90)
+    clock = FakeClock()
+    copies = Scripted(truth, right=True)
+    auto = AutoProposer(copies, clock=clock)
+    arms = []
+    choose = auto._choose
+
+    def spy(sampling):
+        arm = choose(sampling)
+        arms.append(arm)
+        copies.right = copies.anchor_index[0] < 40
+        return arm
+
+    auto._choose = spy
+    assert _run(target, auto, [PROMPTS[0]], 90, clock).tokens == truth
+    late = arms[-20:]
+    assert late.count(PLAIN) >= 15, arms
+    assert arms[6:16].count(COPIES) >= 8, arms
+
+
+MAKERS = {"eagle3": lambda t: eagle3(t), "dflash": lambda t: block(t, "dflash"), "dspark": lambda t: block(t, "dspark")}
+
+
+@pytest.mark.parametrize("kind,batched", [("eagle3", False), ("eagle3", True), ("dflash", True), ("dspark", False)])
+def test_greedy_auto_with_real_arms_equals_plain_decoding(target, kind, batched):
+    """Whatever the clock says (here: a jittery one that makes the arms change often), the output is
+    plain decoding's, and the drafter that sat out rounds drafts from the right context afterwards."""
+    ticks = iter(range(10**6))
+
+    def jitter() -> float:  # deterministic, uneven: arms keep overtaking each other
+        return (next(ticks) * 7919 % 104729) / 1000.0
+
+    auto = AutoProposer(LookupProposer(max_tokens=6), WithLookup(MAKERS[kind](target), max_tokens=6), warmup=1,
+                        first_probe=2, max_probe=4, clock=jitter)
+    counts = _counting(auto)
+    for prompts in (PROMPTS, LOOPY):
+        expected = plain(target, prompts, 30)
+        if batched:
+            got = generate_speculative(TorchTargetEngine(target, 128, len(prompts)), auto, prompts, 30,
+                                       SamplingParams()).tokens
+        else:
+            got = [generate_speculative(TorchTargetEngine(target, 128), auto, [p], 30, SamplingParams()).tokens[0]
+                   for p in prompts]
+        assert got == expected
+    assert min(counts.values()) > 0, counts
+
+
+def test_sampling_with_auto_keeps_the_target_distribution(small_target):  # noqa: F811
+    """Arms change between the rounds of each sampled request (warm-up of one round each: copies,
+    drafter, plain); the first tokens keep the target's exact distribution."""
+    params = SamplingParams(temperature=0.9, top_k=5, seed=1234)
+    prompt = [1, 4, 1, 4, 1]
+    auto = AutoProposer(LookupProposer(max_tokens=3, threshold=0.0),
+                        WithLookup(eagle3(small_target), max_tokens=3, threshold=0.0),
+                        warmup=1, fixed_when_seeded=False, clock=FakeClock())
+    counts = _counting(auto)
+    exact = exact_first_tokens(small_target, prompt, params, 3)
+    assert chi_square_pvalue(sampled(small_target, auto, prompt, params, 3), exact, 3) > 1e-3
+    assert counts[COPIES] and counts[DRAFTER], counts
+
+
+def test_a_seeded_sampled_request_runs_one_arm_and_repeats(target):
+    """A seed's random stream must be consumed the same way every run: no clock in its choices."""
+    auto = AutoProposer(LookupProposer(max_tokens=4), WithLookup(eagle3(target), max_tokens=4))
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    auto.reset(1, 64)
+    assert {auto._choose(seeded) for _ in range(40)} == {DRAFTER}
+    assert {AutoProposer(LookupProposer())._choose(seeded) for _ in range(5)} == {COPIES}
+    assert AutoProposer(LookupProposer(), eagle3(target), pinned=COPIES)._choose(seeded) == COPIES
+    runs = [generate_speculative(TorchTargetEngine(target, 128, 2), auto, LOOPY[:2], 30, seeded).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_a_named_drafter_slower_than_the_automatic_choice_gets_a_note(target):
+    truth = plain(target, PROMPTS[:1], 48)
+    clock = FakeClock()
+    slow = Scripted(truth, right=False, clock=clock, cost=0.01, name="slowdrafter")
+    named = AutoProposer(Scripted(truth, right=True), slow, pinned=DRAFTER, clock=clock)
+    assert named.name == "slowdrafter"
+    counts = _counting(named)
+    assert _run(target, named, PROMPTS[:1], 48, clock).tokens == truth
+    assert counts[DRAFTER] > 4 * (counts[PLAIN] + counts[COPIES]) and counts[PLAIN] and counts[COPIES], counts
+    note = named.slower_note()
+    assert note is not None and "slowdrafter" in note and "scripted" in note
+    # a named drafter that is the fastest gets none
+    fast = AutoProposer(Scripted(truth, right=False), Scripted(truth, right=True, n=6, clock=clock, cost=0.001),
+                        pinned=DRAFTER, clock=clock)
+    _run(target, fast, PROMPTS[:1], 48, clock)
+    assert fast.slower_note() is None
+    assert AutoProposer(Scripted(truth, right=True), slow, clock=clock).slower_note() is None  # auto: never
+
+
+def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
+    """`specrt generate` with a named drafter prints the note on stderr when it was the slow choice."""
+    import argparse
+
+    from specrt.runtime.pipeline import Pipeline
+    from specrt.tools import cli_generate
+
+    clock = FakeClock()
+    prompt = [5, 9, 23, 5, 9]
+    truth = plain(target, [prompt], 24)
+    named = AutoProposer(Scripted(truth, right=True), Scripted(truth, right=False, clock=clock, cost=0.05,
+                                                                name="slowdrafter"), pinned=DRAFTER, clock=clock)
+
+    class Tok:
+        eos_token_ids = ()
+
+        def encode(self, text):
+            return prompt
+
+        def encode_chat(self, text, system=None):
+            return prompt
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    p = Pipeline(target, Tok(), named, "tiny", "torch",
+                 lambda capacity, batch, spare: CostedEngine(target, capacity, batch, clock))
+    monkeypatch.setattr(cli_generate, "build_pipeline", lambda args, options: p)
+    parser = argparse.ArgumentParser()
+    cli_generate.add_arguments(parser)
+    args = parser.parse_args(["--prompt", "x", "--max-new-tokens", "24", "--drafter", "eagle3"])
+    assert cli_generate.run(args) == 0
+    err = capsys.readouterr().err
+    assert "note: slowdrafter ran at" in err and "--drafter auto" in err
