@@ -5,15 +5,17 @@
     pipe = Pipeline.from_engines("engines/SmolLM2-135M-Instruct-eagle3", threads=2)   # ONNX Runtime, --drafter auto
     out = pipe.generate("Why is the sky blue?", max_new_tokens=128)
     print(out.text, out.stats.tau, out.tokens_per_second)
-    pipe.generate("Tell me a joke", temperature=0.7, seed=1, on_text=print)          # streaming
+    pipe.generate("Tell me a joke", temperature=0.7, seed=1, on_text=print)          # streaming, seeded
     pipe.generate("Hi", speculative=False)                                           # plain decoding
 
     pipe = Pipeline.from_checkpoint(drafter="dspark", drafter_ckpt="runs/dspark/drafter")   # torch
     pipe = Pipeline.from_engines("engines/NAME", drafter="lookup")    # copies from the text, no drafter
 
-Both constructors give the same object over the same loop (`generate_speculative` /
-`generate_autoregressive`); only the engine behind it differs. The KV cache is allocated once, sized
-for the longest request so far (it grows, never shrinks), so repeated calls allocate nothing.
+Both constructors give the same object over the same loop (`specrt.runtime.generate.generate`: one
+`specrt.runtime.step.DecodeStep` per round, with or without drafts); only the engine behind it
+differs. A seed gives the same text with or without the drafter, and the same as `specrt serve`.
+The KV cache is allocated once, sized for the longest request so far (it grows, never shrinks), so
+repeated calls allocate nothing.
 """
 
 from __future__ import annotations
@@ -154,8 +156,7 @@ class Pipeline:
 
         capacity: a fixed KV cache size (generation stops when it is full) instead of one sized to the request.
         """
-        from specrt.runtime.generate import generate_autoregressive
-        from specrt.runtime.speculative import generate_speculative
+        from specrt.runtime.generate import generate
 
         sampling = sampling or SamplingParams()
         if max_new_tokens < 1:
@@ -167,10 +168,8 @@ class Pipeline:
             self._engine = engine = self._engine_factory(capacity, len(prompts), _spare_slots(self.proposer))
         eos = self.config.eos_token_ids
         with torch_threads(self.host_threads):
-            if speculative and self.proposer is not None:
-                return generate_speculative(engine, self.proposer, prompts, max_new_tokens, sampling, eos, on_tokens)
-            engine.set_taps(())
-            return generate_autoregressive(engine, prompts, max_new_tokens, sampling, eos, on_tokens)
+            return generate(engine, self.proposer if speculative else None, prompts, max_new_tokens, sampling, eos,
+                            on_tokens)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, system: str | None = None, chat: bool = True,

@@ -22,6 +22,10 @@ drafter, alone or batched, whatever verify length the scheduler picks. The price
 a draft survives with probability P(draft = x_n), below the min(1, p/q) rule's, because drafts are
 not coupled to the noise. Proposers draft greedily for these requests (argmax q is the draft most
 likely to equal a sample of p when q tracks p: p(argmax q) >= sum_v p(v) q(v)).
+
+Where: every request with a seed and temperature > 0, in `generate` and in serving alike (the rule
+is `specrt.runtime.step.TokenRule`), so `specrt generate --seed 1` and a served request with seed 1
+give the same text. Row b of a batch generated with one seed uses `row_seed(seed, b)`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ def _stream_key(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row `row` of a batch generated with one seed: the seed itself for row 0 (a batch of
+    one gives what a request with that seed gives alone), an unrelated 63-bit seed for the others
+    (a batch of one prompt repeated still samples different texts). Negative indices: no token's."""
+    return int(seed) if row == 0 else _stream_key(seed, -int(row))
 
 
 def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:

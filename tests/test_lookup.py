@@ -208,7 +208,7 @@ def test_sampling_with_copies_keeps_the_target_distribution(small_target, kind):
 
 
 def test_the_sampling_test_catches_copies_accepted_without_the_test(small_target, monkeypatch):  # noqa: F811
-    import specrt.runtime.speculative as loop
+    import specrt.runtime.step as loop
 
     def accept_everything(tokens, draft_probs, target_probs, generator=None):
         k = int(tokens.shape[0])

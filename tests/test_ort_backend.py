@@ -228,16 +228,16 @@ def test_copies_alone_run_on_a_target_only_folder(folders):
 def test_ort_pipelines_run_torch_at_one_thread_and_restore_it(folders, monkeypatch):
     """Between ORT calls torch only does host work; its extra threads would spin on ORT's cores
     (runtime/host_threads.py). The torch backend keeps the caller's threads."""
-    import specrt.runtime.speculative as speculative
+    from specrt.runtime.step import TokenRule
 
     seen = []
-    real = speculative._accept
+    real = TokenRule.accept
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(speculative, "_accept", spy)
+    monkeypatch.setattr(TokenRule, "accept", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -259,7 +259,7 @@ def test_sampling_under_batching_keeps_the_target_distribution(small_target, kin
 
 def test_the_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeypatch):
     """Negative control: the same batched run, with drafts accepted without the ratio test, fails."""
-    import specrt.runtime.speculative as loop
+    import specrt.runtime.step as loop
 
     def accept_everything(tokens, draft_probs, target_probs, generator=None):
         k = int(tokens.shape[0])

@@ -310,12 +310,14 @@ def chi_square_pvalue(samples: list[list[int]], exact: dict[tuple, float], n: in
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-def sampled(target, proposer, prompt, params, n):
-    """SAMPLES independent generations at once: one batch row each."""
+def sampled(target, proposer, prompt, params, n, seeded_sampling="stream"):
+    """SAMPLES independent generations at once: one batch row each. The seed makes the run
+    reproducible; "stream" keeps it on rejection sampling (verify.py), "noise" on the seeded rule."""
     engine = TorchTargetEngine(target, 32, SAMPLES)
     if proposer is None:
-        return generate_autoregressive(engine, [prompt] * SAMPLES, n, params).tokens
-    return generate_speculative(engine, proposer, [prompt] * SAMPLES, n, params).tokens
+        return generate_autoregressive(engine, [prompt] * SAMPLES, n, params, seeded_sampling=seeded_sampling).tokens
+    return generate_speculative(engine, proposer, [prompt] * SAMPLES, n, params,
+                                seeded_sampling=seeded_sampling).tokens
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +344,7 @@ def test_sampling_matches_the_target_distribution(small_target, kind):
 
 def test_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeypatch):
     """The same test fails when drafts are accepted without the ratio test."""
-    import specrt.runtime.speculative as loop
+    import specrt.runtime.step as loop
 
     def accept_everything(tokens, draft_probs, target_probs, generator=None):
         k = int(tokens.shape[0])
@@ -358,7 +360,7 @@ def test_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeypatch
 
 def test_tree_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeypatch):
     """Trees too: taking the first child without the acceptance test breaks the distribution."""
-    import specrt.runtime.speculative as loop
+    import specrt.runtime.step as loop
 
     def first_child_always(tokens, parents, target_probs, child_draft_probs, generator=None):
         path, node = [], -1

@@ -12,9 +12,10 @@ A step (`step()`):
             a row view of the engine (`rows.row_view`): running rows are not touched; each new
             request's first token comes from its own sampling settings and generator, and the
             proposer ingests its prompt;
-  4. decode  every running request (the new ones included) in one target forward over rows
-            0..hi-1 (hi = highest busy row + 1): draft (grouped by sampling settings), choose the
-            verify lengths (`policy`: fixed or Algorithm 1), verify, commit, emit, observe.
+  4. decode  every running request (the new ones included) in one step of
+            `specrt.runtime.step.DecodeStep` (the step `generate` runs too) over rows 0..hi-1
+            (hi = highest busy row + 1): draft (grouped by sampling settings), choose the verify
+            lengths (`policy`: fixed or Algorithm 1, the step's plan), verify, commit, emit, observe.
 Plain decoding is the same step with empty proposals (no proposer, the draft gate closed, or, in
 the scheduled mode, the measured gate finding speculative steps slower than plain ones at this
 many requests: `measured_gate.MeasuredGate`).
@@ -28,8 +29,9 @@ sampling settings, so a request's greedy output is its output alone. Sampled out
 the target's distribution. A request with a seed is reproducible: with `seeded_sampling="noise"`
 (the default) its tokens are Gumbel-max picks from noise keyed by (seed, token index)
 (`specrt.runtime.seeded`), so its text is the same alone or batched, with or without drafts,
-whatever the scheduler and the draft gate decide; it drafts greedily and verifies on the perturbed
-scores. `seeded_sampling="stream"` starts rejection sampling's generator from the seed instead:
+whatever the scheduler and the draft gate decide, and the same as `specrt generate` with that seed;
+it drafts greedily and verifies on the perturbed scores. `seeded_sampling="stream"` starts
+rejection sampling's generator from the seed instead:
 higher acceptance, but reproducible only for the same batch history (drafts share one random
 stream across requests, and the verify lengths depend on the batch and on measured step times).
 Requests without a seed always use rejection sampling.
@@ -52,8 +54,8 @@ from specrt.runtime.engine import causal_mask
 from specrt.runtime.generate import prefill
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.lookup import copy_proposal
-from specrt.runtime.sampling import SamplingParams, next_token
-from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, is_seeded, seeded_token
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.seeded import is_seeded
 from specrt.runtime.serving.measured_gate import MeasuredGate
 from specrt.runtime.serving.policy import SCHEDULES, DraftGate, apply_schedule
 from specrt.runtime.serving.rows import (
@@ -65,14 +67,11 @@ from specrt.runtime.serving.rows import (
     runs,
     supports_views,
 )
-from specrt.runtime.speculative import _accept, _verify_batch
 from specrt.runtime.stats import RequestStats
-from specrt.runtime.tree import kv_keep_indices
+from specrt.runtime.step import SEEDED_SAMPLING, DecodeStep, StepRow, TokenRule, room_cut
 
 log = logging.getLogger("specrt.serving")
 _ids = itertools.count(1)
-EMPTY = Proposal.chain(torch.zeros(0, dtype=torch.long))
-SEEDED_SAMPLING = ("noise", "stream")  # how a request's seed drives sampling (module docstring)
 
 
 @dataclass(eq=False)
@@ -175,13 +174,15 @@ class Batcher:
         # speculative steps really outrun plain ones (`measured_gate`); the fixed mode always speculates
         scheduled = schedule == "confidence" and proposer is not None
         self.measured = MeasuredGate() if (measured_gate and scheduled) else None
-        self.draft_generator = torch.Generator().manual_seed(int(draft_seed))
+        # the shared decoding step; with a draft gate the drafter ingests lazily, before it drafts.
+        # Step times are not reported to the proposer: the schedule (`policy`) sizes verify steps here
+        self.decode_step = DecodeStep(proposer, lazy=self.gate is not None,
+                                      draft_generator=torch.Generator().manual_seed(int(draft_seed)), step_times=False)
         self.free: list[int] = list(range(self.slots))
         self.running: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.counters = BatcherCounters()
         self.last_schedule = None
-        self.pending: dict[int, tuple[list[int], list[torch.Tensor], list[int | None]]] = {}  # row -> not yet observed
 
     # ---------------------------------------------------------------- requests
     def validate(self, req: Request) -> None:
@@ -246,7 +247,7 @@ class Batcher:
             req.error = message
             self._finish(req, "error")
         self.waiting.clear()
-        self.pending.clear()
+        self.decode_step.forget_all()
         self.engine.reset(self.slots)
         if self.proposer is not None:
             self.proposer.reset(self.slots, self.capacity)
@@ -289,7 +290,7 @@ class Batcher:
         req.stats.round_tokens = max(req.stats.new_tokens - 1, 0)
         if req.row is not None and self.running.get(req.row) is req:
             del self.running[req.row]
-            self.pending.pop(req.row, None)
+            self.decode_step.forget(req.row)
             reset_engine_row(self.engine, req.row)  # idle rows must not widen the attention window
             bisect.insort(self.free, req.row)
         self.counters.finished += 1
@@ -341,10 +342,7 @@ class Batcher:
         rows, prompts, taps_rows, firsts = [], [], [], []
         for group, logits, taps in groups:
             for i, req in enumerate(group):
-                if req.noise:
-                    first = seeded_token(logits[i], req.sampling, 0)
-                else:
-                    first = int(next_token(logits[i], req.sampling, req.generator))
+                first = self._rule(req).first(logits[i])
                 req.anchor = first
                 rows.append(req.row)
                 prompts.append(list(req.prompt))
@@ -395,51 +393,11 @@ class Batcher:
             for h, value in zip(holders, saved):
                 h.threshold = value
 
-    def _flush(self, pview) -> None:
-        """Hand the proposer what the target committed since its last observe, all rows in one call.
-
-        While the draft gate keeps drafting off, committed tokens and their taps wait here and are
-        ingested at the next drafting step: one batched observe of k steps' tokens equals k
-        observes (context entries are per position; EAGLE-3's rows are causal), and plain steps
-        then cost what plain decoding costs.
-        """
-        if not self.pending:
-            return
-        rows = sorted(self.pending)
-        tokens = [self.pending[r][0] for r in rows]
-        taps = [torch.cat(self.pending[r][1]) if self.pending[r][1] else None for r in rows]
-        nexts = [self.pending[r][2][0] for r in rows]
-        self.pending.clear()
-        (pview.observe_drafter if self.split else pview.observe)(rows, tokens, taps, nexts)
-
-    def _propose(self, pview, active: list[int]) -> dict[int, Proposal]:
-        groups: dict[object, list[int]] = {}
-        for row in active:
-            s = self._draft_sampling(self.running[row])
-            groups.setdefault("greedy" if s.greedy else (s.temperature, s.top_k, s.top_p), []).append(row)
-        # block drafters write scratch K/V for every row they are not asked about (at position 0):
-        # with several groups, each call drafts all busy rows and keeps its own group's
-        all_rows = len(groups) > 1 and hasattr(pview, "block_size")
-        out: dict[int, Proposal] = {}
-        with self._full_drafts(pview):
-            for rows in groups.values():
-                sampling = self._draft_sampling(self.running[rows[0]])
-                call = active if all_rows else rows
-                drafted = pview.propose(call, [self.running[r].anchor for r in call], sampling,
-                                        None if sampling.greedy else self.draft_generator)
-                wanted = set(rows)
-                out.update({r: p for r, p in zip(call, drafted) if r in wanted})
-        return out
-
     @staticmethod
-    def _draft_sampling(req: Request) -> SamplingParams:
-        return GREEDY_DRAFTS if req.noise else req.sampling
+    def _rule(req: Request) -> TokenRule:
+        return TokenRule(req.sampling, req.generator, req.noise)
 
-    def _room_cut(self, p: Proposal, row: int) -> Proposal:
-        """p cut to the row's free cache slots (every verified token needs one)."""
-        return p.truncated(max(self.capacity - 1 - int(self.engine.lengths[row]), 0))
-
-    def _judge_drafter(self, pview, active: list[int], hi: int, plan, draft_seconds: float) -> None:
+    def _judge_drafter(self, pview, view, active: list[int], hi: int, plan, draft_seconds: float) -> None:
         """Tell the gate whether this drafting step paid: the scheduler's predicted tokens/s with the
         drafting time included, against the better of plain decoding and the copies alone (what the
         step would have verified with the drafter shut; `policy.DraftGate`)."""
@@ -447,104 +405,57 @@ class Batcher:
         without = plan.baseline
         chains = getattr(pview, "last_chains", None)
         if chains is not None and all(r in chains for r in active):
-            copies = [self._room_cut(copy_proposal(chains[r]), r) for r in active]
+            copies = [room_cut(copy_proposal(chains[r]), view, r) for r in active]
             _, copies_plan = apply_schedule(copies, self.sps, hi, self.cost)
             without = max(without, copies_plan.throughput)
         plain_step = len(active) / plan.baseline  # seconds of a plain step of these rows
         self.gate.record(predicted, without, draft_seconds / plain_step)
 
     def _decode(self, active: list[int]) -> None:
-        engine, c = self.engine, self.counters
-        reqs = [self.running[r] for r in active]
+        c = self.counters
+        reqs = {row: self.running[row] for row in active}
         hi = active[-1] + 1 if self.views else self.slots
-        view = row_view(engine, 0, hi) if self.views else engine
+        view = row_view(self.engine, 0, hi) if self.views else self.engine
         pview = proposer_prefix_view(self.proposer, hi)
-        t0 = time.perf_counter()
         speculate = self.measured is None or self.measured.speculate(len(active))
         if not speculate:
             c.measured_plain_steps += 1
         drafting = speculate and self.proposer is not None and (self.gate is None or self.gate.should_draft())
         copying = speculate and not drafting and self.split  # the gate shut the drafter; copies cost nothing to make
-        proposals: list[Proposal | None] = [None] * hi
-        for row in active:
-            proposals[row] = EMPTY
-        draft_seconds = 0.0
-        if drafting or copying:
-            if drafting:
-                self._flush(pview)
-                drafted = self._propose(pview, active)
-            else:
-                with self._full_drafts(pview):
-                    drafted = dict(zip(active, pview.propose_copies(active)))
-            draft_seconds = time.perf_counter() - t0
-            cut = [self._room_cut(drafted[row], row) for row in active]
-            c.proposed_drafts += sum(len(p) for p in cut)
-            if self.schedule == "confidence":
-                cut, plan = apply_schedule(cut, self.sps, hi, self.cost)
-                self.last_schedule = plan
+        drafts = "drafter" if drafting else "copies" if copying else "none"
+        plan = None
+        if self.schedule == "confidence" and drafts != "none":
+            def plan(cut: list[Proposal], draft_seconds: float) -> list[Proposal]:
+                cut, self.last_schedule = apply_schedule(cut, self.sps, hi, self.cost)
                 if self.gate is not None and drafting:
-                    self._judge_drafter(pview, active, hi, plan, draft_seconds)
-            for row, p in zip(active, cut):
-                proposals[row] = p if len(p) else EMPTY
-            if drafting:
-                c.draft_steps += 1
-            else:
-                c.copy_steps += 1
-        anchors = [self.running[r].anchor if r in self.running else 0 for r in range(hi)]
-        t1 = time.perf_counter()
-        ids, positions, mask = _verify_batch(proposals, anchors, view.lengths)
+                    self._judge_drafter(pview, view, active, hi, self.last_schedule, draft_seconds)
+                return cut
+        forward = None
         if self.per_row and self.views and len(active) < hi:
             # one call per row: rows left idle inside the range would each cost a one-token call
-            sizes = [1 + len(p) if p is not None else 1 for p in proposals]
-            logits, taps = forward_active_runs(engine, ids, positions, mask, active, sizes)
-        else:
-            logits, taps = view.forward(ids, positions, mask)
-        t2 = time.perf_counter()
+            def forward(ids, positions, mask, sizes):
+                return forward_active_runs(self.engine, ids, positions, mask, active, sizes)
+
+        def emit(row: StepRow, tokens: list[int]) -> bool:
+            req = reqs[row.row]
+            req.anchor = row.anchor
+            self._emit(req, tokens)
+            return not req.done
+
+        rows = [StepRow(row, reqs[row].anchor, self._rule(reqs[row]), len(reqs[row].tokens), reqs[row].stats)
+                for row in active]
+        with self._full_drafts(pview):
+            report = self.decode_step(view, rows, emit, proposer=pview, drafts=drafts, plan=plan, forward=forward)
+        if drafting:
+            c.draft_steps += 1
+        elif copying:
+            c.copy_steps += 1
         c.steps += 1
-        c.step_tokens += int(ids.shape[0] * ids.shape[1])
+        c.step_tokens += report.positions
         c.row_steps += len(active)
-        copied: tuple[list[int], list[list[int]], list[int]] = ([], [], [])  # rows, tokens, next: for the lookup
-        emitted = 0
-        for row in active:
-            req, p = self.running[row], proposals[row]
-            if req.noise:  # row 0 predicts the token after the anchor: generated index len(tokens)
-                path, bonus = accept_seeded(p, logits[row], req.sampling, len(req.tokens))
-            else:
-                path, bonus = _accept(p, logits[row], req.sampling, req.generator)
-            keep = kv_keep_indices(path)
-            view.commit(row, keep)
-            accepted = [int(p.tokens[i]) for i in path]
-            req.stats.rounds += 1
-            req.stats.record_acceptance(p.depth, len(path))
-            c.verify_drafts += len(p)
-            c.accepted_drafts += len(path)
-            c.emitted += len(accepted) + 1
-            emitted += len(accepted) + 1
-            previous = req.anchor
-            req.anchor = bonus
-            self._emit(req, accepted + [bonus])
-            if not req.done and self.split:
-                copied[0].append(row)
-                copied[1].append([previous] + accepted)
-                copied[2].append(bonus)
-            if not req.done and self.proposer is not None:
-                pending = self.pending.setdefault(row, ([], [], [None]))
-                pending[0].extend([previous] + accepted)
-                if taps is not None:  # a chain keeps a contiguous range: slice it (cheaper than a gather)
-                    contiguous = keep[-1] - keep[0] + 1 == len(keep)
-                    pending[1].append(taps[row, keep[0]:keep[-1] + 1] if contiguous else taps[row, keep])
-                pending[2][0] = bonus
-        t3 = time.perf_counter()
-        if copied[0]:
-            pview.observe_copies(*copied)
-        if self.gate is None:  # drafting every step: ingest now (the gate's lazy path waits for a draft)
-            self._flush(pview)
-        t4 = time.perf_counter()
+        c.proposed_drafts += report.proposed
+        c.verify_drafts += report.verified
+        c.accepted_drafts += report.accepted
+        c.emitted += report.emitted
         if self.measured is not None:
-            verified = any(len(proposals[row]) for row in active)
-            self.measured.record(len(active), verified, emitted, t4 - t0)
-        for req in reqs:
-            stats = req.stats
-            stats.draft_seconds += draft_seconds + (t4 - t3)
-            stats.verify_seconds += t2 - t1
-            stats.host_seconds += (t1 - t0 - draft_seconds) + (t3 - t2)
+            self.measured.record(len(active), report.verified > 0, report.emitted, report.seconds)
