@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import signal
 import sys
 import time
 
@@ -66,6 +67,10 @@ def server_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in sorted(names) if getattr(args, name, None) is not None}
 
 
+def stop_serving(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_ray(args: argparse.Namespace) -> int:
     from specrt.tools.cli_serve import load_pipeline
 
@@ -89,6 +94,10 @@ def run_ray(args: argparse.Namespace) -> int:
         print(f"Ray Serve up in {time.perf_counter() - start:.1f}s: {count} x {replica.threads} thread(s), "
               f"{replica.slots} slots x {replica.capacity} tokens each", file=sys.stderr)
         print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", file=sys.stderr)
+        # SIGTERM (systemd, docker, kubernetes) and SIGINT stop it cleanly; set explicitly, because a shell
+        # starts background jobs with SIGINT ignored and Python then never raises KeyboardInterrupt
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop_serving)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
