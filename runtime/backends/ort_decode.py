@@ -123,7 +123,7 @@ class BoundTargetCall:
         self.seqlens[0] = total - 1
         self.total.fill(total)
         bias = np.zeros((t, total), dtype=self.bias.dtype)
-        bias[:, length:][~new_mask[0].numpy()] = -np.inf
+        bias[:, length:][~new_mask[0].numpy().astype(bool, copy=False)] = -np.inf
         ids = np.ascontiguousarray(input_ids.numpy(), dtype=np.int64)
         positions = np.ascontiguousarray(position_ids.numpy(), dtype=np.int64)
         rows = np.arange(t, dtype=np.int64)[None] if logit_rows is None else \

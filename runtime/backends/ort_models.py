@@ -69,6 +69,21 @@ def cache_feeds(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch
     return feeds
 
 
+class CacheFeeds:
+    """`cache_feeds` of the cache a drafter was last called with, kept: handed the same view objects
+    every call, `OrtGraph.run` skips re-checking and re-binding them (2 x layers inputs a call)."""
+
+    def __init__(self) -> None:
+        self.key = None
+        self.feeds: dict[str, torch.Tensor] = {}
+
+    def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape))
+        if key != self.key:  # the views hold their cache alive, so a pointer names one cache
+            self.key, self.feeds = key, cache_feeds(k_cache, v_cache)
+        return self.feeds
+
+
 class OrtTargetModel:
     """The exported target graph with LlamaModel's call contract (see the module docstring).
 
@@ -279,6 +294,7 @@ class OrtEagle3Drafter:
                 "re-export the engine folder (specrt export --drafter eagle3 ...)",
             )
         self.embed_tokens = True  # the target embedding lives inside the step graph
+        self.cache_feeds = CacheFeeds()
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         return self.fc_graph.run({"taps": taps.to(self.dtype)})["hidden"]
@@ -286,7 +302,7 @@ class OrtEagle3Drafter:
     def __call__(self, input_ids, hidden, position_ids, attn_mask, k_cache, v_cache, write_slots):
         past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
         out = self.step_graph.run({"input_ids": input_ids, "hidden": hidden.to(self.dtype), "position_ids": position_ids,
-                                   "past_mask": past_mask, "tree_mask": tree_mask, **cache_feeds(k_cache, v_cache)})
+                                   "past_mask": past_mask, "tree_mask": tree_mask, **self.cache_feeds(k_cache, v_cache)})
         write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
         return out["logits"], out["hidden_out"]
 
@@ -313,6 +329,7 @@ class OrtBlockDrafter:
         self.label_shift = 1 if kind == "dspark" else 0
         temps = sts_temperatures if sts_temperatures else [1.0] * config.block_size
         self.sts_temperatures = torch.tensor(list(temps), dtype=torch.float32)
+        self.cache_feeds = CacheFeeds()
 
     @property
     def num_drafts(self) -> int:
@@ -342,7 +359,7 @@ class OrtBlockDrafter:
         if self.kind != "dflash":
             raise SpecrtError("a DSpark engine drafts through draft()", "this is a bug in the caller: please report")
         out = self.block_graph.run({"block_ids": block_ids, "position_ids": position_ids,
-                                    "past_mask": self._past_mask(attn_mask, write_slots), **cache_feeds(k_cache, v_cache)})
+                                    "past_mask": self._past_mask(attn_mask, write_slots), **self.cache_feeds(k_cache, v_cache)})
         return out["logits"], out["hidden"]
 
     def draft(self, block_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, temperature: float = 0.0,
@@ -361,7 +378,7 @@ class OrtBlockDrafter:
             gumbel = torch.zeros((b, gamma, vocab))
         feeds = {
             "block_ids": block_ids, "position_ids": position_ids, "past_mask": self._past_mask(attn_mask, write_slots),
-            **cache_feeds(k_cache, v_cache),
+            **self.cache_feeds(k_cache, v_cache),
             "temperature": torch.full((b,), float(temperature), dtype=torch.float32),
             "gumbel": gumbel, "threshold": torch.tensor(0.0, dtype=torch.float32),
             "sps": torch.ones(1, dtype=torch.float32),  # M == 1: the threshold policy (the proposer applies it)
