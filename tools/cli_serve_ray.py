@@ -36,8 +36,9 @@ def parse_autoscale(text: str) -> tuple[int, int]:
         low, high = (int(x) for x in text.split(","))
     except ValueError:
         raise SpecrtError(f"--autoscale takes MIN,MAX replicas, got {text!r}", "e.g. --autoscale 1,4") from None
-    if not 0 <= low <= high or high < 1:
-        raise SpecrtError(f"--autoscale {text}: need 0 <= MIN <= MAX and MAX >= 1", "e.g. --autoscale 1,4")
+    if not 1 <= low <= high:
+        # MIN 0 (scale to zero) is refused: the ingress needs a replica to describe the engine before it serves
+        raise SpecrtError(f"--autoscale {text}: need 1 <= MIN <= MAX", "e.g. --autoscale 1,4")
     return low, high
 
 
