@@ -24,11 +24,11 @@ DEFAULT_REPLICA_THREADS = 1  # one replica per core: replicas, not threads, are 
 
 def ray_requested(args: argparse.Namespace) -> bool:
     """True with --ray; Ray-only flags without it are an error (they would be ignored)."""
-    given = [f for f, v in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
-                            ("--ray-address", args.ray_address)) if v is not None]
-    if given and not args.ray:
+    given = [flag for flag in ("--replicas", "--autoscale", "--ray-address")
+             if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    if given and not getattr(args, "ray", False):
         raise SpecrtError(f"{', '.join(given)} only apply to Ray Serve", "add --ray, or drop them")
-    return bool(args.ray)
+    return bool(getattr(args, "ray", False))
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
