@@ -71,3 +71,36 @@ def test_a_drafter_is_measured_against_the_fastest_plain_decoding_on_its_weights
     assert fastest_plain("eagle3+lookup", rates) == "plain (target only)"
     assert fastest_plain("lookup@w8a8", rates) == "plain@w8a8"
     assert fastest_plain("lookup@int8", rates) is None
+
+
+def test_the_comparison_table_on_tiny_engines(tmp_path):
+    """`bench_table` (what `specrt bench --compare` runs) on a tiny target-only folder, two prompt sets, no
+    peers: the rows a user can pick there, greedy identical to plain decoding, ratios read against
+    the plain row, the named choice measured against the automatic one, and the json / md / png."""
+    from _onnx_tiny import make_sharp_target, write_hf_target
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.tools import bench_table
+    from specrt.tools.cli_export import main as export_main
+
+    write_hf_target(tmp_path / "tiny", make_sharp_target())
+    folder = tmp_path / "plain"
+    assert export_main(["--drafter", "none", "--target", str(tmp_path / "tiny"), "--out", str(folder), "--quiet"]) == 0
+    rows = bench_table.specrt_rows([folder], 10, SamplingParams(0.0), threads=1)
+    labels = [r.label for r in rows]
+    assert labels == ["specrt fp32 plain", "specrt fp32 copies alone", "specrt fp32 auto"]
+    sets = {"mtbench": [[5, 9, 23, 5, 9], [7, 3, 11]], "code": [[4, 8, 15, 16, 4, 8, 15]]}
+    report = bench_table.run_table(rows, sets, 10)
+    assert report["reference"] == "specrt fp32 plain"
+    for label, entry in report["rows"].items():
+        for name, cell in entry["sets"].items():
+            assert len(cell["tok_s_per_prompt"]) == len(sets[name]) and cell["median_tok_s"] > 0
+            if label != "specrt fp32 plain":
+                assert cell["identical"] == cell["of"] == len(sets[name]), (label, name)
+    assert report["rows"]["specrt fp32 plain"]["sets"]["code"]["ratio"] == 1.0
+    assert "slower" in report["rows"]["specrt fp32 copies alone"]["sets"]["mtbench"]  # named: measured
+    assert "slower" not in report["rows"]["specrt fp32 auto"]["sets"]["mtbench"]
+    paths = bench_table.write(tmp_path / "out", report)
+    assert [p.name for p in paths] == ["compare.json", "compare.md", "compare.png"]
+    md = paths[1].read_text()
+    assert "| specrt fp32 auto |" in md and "MT-bench tok/s (median)" in md and "code (HumanEval)" in md
+    assert paths[2].stat().st_size > 0

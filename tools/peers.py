@@ -7,7 +7,7 @@ greedy max-new-tokens, and is timed the way specrt is (prefill + decode of one r
 - llama.cpp (`llama-cpp-python`) on the same GGUF file specrt loads (the embedded default is Q4_1:
   llama.cpp computes on the 4-bit weights, specrt on the dequantized fp32 ones);
 - onnxruntime-genai on models its own builder (`onnxruntime_genai.models.builder`) made from the
-  same weights, fp32 and int4 (RTN, block 32). The builder reads a Hugging Face folder, so the
+  same weights, int4 (RTN, block 32; `ort-genai`) and fp32 (`ort-genai-fp32`). The builder reads a Hugging Face folder, so the
   target is first written as one (`write_hf_folder`: config.json, model.safetensors, tokenizer).
   Built models are cached under ~/.cache/specrt/peers/<target name>/.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-PEERS = ("torch", "llama.cpp", "ort-genai")
+PEERS = ("torch", "llama.cpp", "ort-genai", "ort-genai-fp32")  # ort-genai: its int4 build
 INSTALL = {"llama.cpp": "pip install llama-cpp-python", "ort-genai": "pip install onnxruntime-genai"}
 
 
@@ -186,7 +186,7 @@ def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, 
             source = Path(str(loaded_target.source))
             runs.append(llamacpp_peer(source if source.suffix == ".gguf" else None, threads, context))
         else:
-            runs += [genai_peer(loaded_target, p, threads, progress) for p in ("fp32", "int4")]
+            runs.append(genai_peer(loaded_target, "fp32" if name == "ort-genai-fp32" else "int4", threads, progress))
     return runs
 
 
