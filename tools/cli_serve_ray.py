@@ -27,7 +27,8 @@ def ray_requested(args: argparse.Namespace) -> bool:
     given = [flag for flag in ("--replicas", "--autoscale", "--ray-address")
              if getattr(args, flag[2:].replace("-", "_"), None) is not None]
     if given and not getattr(args, "ray", False):
-        raise SpecrtError(f"{', '.join(given)} only apply to Ray Serve", "add --ray, or drop them")
+        raise SpecrtError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to Ray Serve",
+                          "add --ray, or drop them")
     return bool(getattr(args, "ray", False))
 
 
