@@ -223,7 +223,7 @@ def plot(report: dict, path: Path) -> None:
         ax.barh(labels, values, color=colors)
         ref = report["rows"][report["reference"]]["sets"][s]["median_tok_s"]
         ax.axvline(ref, color="black", linestyle="--", linewidth=1)
-        ax.set(title=f"{SET_TITLES.get(s, s)}: median tok/s (dashed: {report['reference']})", xlabel="tok/s")
+        ax.set(title=f"{SET_TITLES.get(s, s)}: median tok/s", xlabel=f"tok/s (dashed: {report['reference']})")
         ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
