@@ -151,10 +151,13 @@ class Pipeline:
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256,
                      sampling: SamplingParams | None = None, speculative: bool = True,
-                     on_tokens: Callable[[int, list[int]], None] | None = None, capacity: int | None = None):
+                     on_tokens: Callable[[int, list[int]], None] | None = None, capacity: int | None = None,
+                     seeded_sampling: str = "noise"):
         """Token-level batch generation: the loop's GenerationResult.
 
         capacity: a fixed KV cache size (generation stops when it is full) instead of one sized to the request.
+        seeded_sampling: "noise" (a seed fixes the text: `specrt.runtime.seeded`) or "stream" (rejection
+        sampling with coins from the seed: accepts more drafts, reproducible for the same drafter only).
         """
         from specrt.runtime.generate import generate
 
@@ -169,7 +172,7 @@ class Pipeline:
         eos = self.config.eos_token_ids
         with torch_threads(self.host_threads):
             return generate(engine, self.proposer if speculative else None, prompts, max_new_tokens, sampling, eos,
-                            on_tokens)
+                            on_tokens, seeded_sampling)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, system: str | None = None, chat: bool = True,

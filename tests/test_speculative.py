@@ -342,6 +342,15 @@ def test_sampling_matches_the_target_distribution(small_target, kind):
     assert chi_square_pvalue(sampled(small_target, proposer, prompt, params, 3), exact, 3) > 1e-3
 
 
+def test_one_seed_gives_each_batch_row_its_own_exact_sample(small_target):
+    """A batch with one seed: row b follows the seeded rule with `row_seed(seed, b)` (greedy drafts,
+    verified on Gumbel-perturbed scores), so SAMPLES rows of one prompt are independent exact samples."""
+    params = SamplingParams(temperature=0.9, top_k=5, seed=1234)
+    prompt = [1, 4, 2]
+    got = sampled(small_target, block(small_target, "dflash", threshold=0.05), prompt, params, 3, seeded_sampling="noise")
+    assert chi_square_pvalue(got, exact_first_tokens(small_target, prompt, params, 3), 3) > 1e-3
+
+
 def test_sampling_test_catches_a_wrong_acceptance_rule(small_target, monkeypatch):
     """The same test fails when drafts are accepted without the ratio test."""
     import specrt.runtime.step as loop
