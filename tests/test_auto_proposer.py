@@ -264,7 +264,7 @@ def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
 
     clock = FakeClock()
     prompt = [5, 9, 23, 5, 9]
-    truth = plain(target, [prompt], 24)
+    truth = plain(target, [prompt], 48)
     named = AutoProposer(Scripted(truth, right=True), Scripted(truth, right=False, clock=clock, cost=0.05,
                                                                 name="slowdrafter"), pinned=DRAFTER, clock=clock)
 
@@ -285,7 +285,7 @@ def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
     monkeypatch.setattr(cli_generate, "build_pipeline", lambda args, options: p)
     parser = argparse.ArgumentParser()
     cli_generate.add_arguments(parser)
-    args = parser.parse_args(["--prompt", "x", "--max-new-tokens", "24", "--drafter", "eagle3"])
+    args = parser.parse_args(["--prompt", "x", "--max-new-tokens", "48", "--drafter", "eagle3"])
     assert cli_generate.run(args) == 0
     err = capsys.readouterr().err
     assert "note: slowdrafter ran at" in err and "--drafter auto" in err

@@ -60,7 +60,7 @@ from specrt.runtime.sampling import SamplingParams
 
 PLAIN, COPIES, DRAFTER = "plain", "copies", "drafter"
 _EMPTY = Proposal.chain(torch.empty(0, dtype=torch.long))  # a plain step: the anchor alone
-NOTE_MARGIN = 1.05  # the named drafter must trail the best other arm by more than this to earn a note
+NOTE_MARGIN = 1.10  # the named drafter must trail the best other arm by more than this to earn a note
 
 
 @dataclass
@@ -259,15 +259,16 @@ class AutoProposer:
         mine = self.rates[self.pinned]
         if not mine.request_rounds:
             return None
-        probed = [a for a in self.arms if a != self.pinned and self.rates[a].request_rounds]
+        # this request's probes only, and at least two of an arm: one round of copies is too noisy a witness
+        probed = [a for a in self.arms if a != self.pinned and self.rates[a].request_rounds >= 2]
         if not probed:
             return None
-        best = max(probed, key=lambda a: self.rates[a].rate)
-        if self.rates[best].rate <= mine.request_rate * NOTE_MARGIN:
+        best = max(probed, key=lambda a: self.rates[a].request_rate)
+        if self.rates[best].request_rate <= mine.request_rate * NOTE_MARGIN:
             return None
         what = "plain decoding" if best == PLAIN else self.labels[best]
         return (f"note: {self.name} ran at {mine.request_rate:.1f} tok/s on this request, {what} measured "
-                f"{self.rates[best].rate:.1f} tok/s in probe rounds (--drafter auto picks the fastest)")
+                f"{self.rates[best].request_rate:.1f} tok/s in probe rounds (--drafter auto picks the fastest)")
 
     # hooks the serving batcher and the decode step probe with hasattr: never the arms'
     _OWN = frozenset({"observe_copies", "observe_drafter", "propose_copies", "prefix_view", "reset_row",
