@@ -60,7 +60,9 @@ def _names(hf: dict[str, Any]) -> str:
 def _deepspec_format(hf: dict[str, Any], tensor_names: set[str], source: str) -> tuple[DrafterFormat, str]:
     has_markov_weights = any(n.startswith(("markov_head.", "model.markov_head.")) for n in tensor_names)
     has_conf_weights = any(n.startswith(("confidence_head.", "model.confidence_head.")) for n in tensor_names)
-    markov = int(hf["markov_rank"]) if hf.get("markov_rank") is not None else (256 if has_markov_weights else 0)
+    # absent fields: the tensors say; without tensors (config alone), DSpark's defaults
+    markov = hf.get("markov_rank")
+    markov = int(markov) if markov is not None else (256 if has_markov_weights or not tensor_names else 0)
     conf = hf.get("enable_confidence_head")
     conf = bool(conf) if conf is not None else (has_conf_weights or not tensor_names)
     if markov == 0 and not conf:
