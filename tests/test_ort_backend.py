@@ -196,7 +196,7 @@ def test_bad_input_is_refused_clearly(folders, tmp_path):
 
 def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     out = subprocess.run(
-        [sys.executable, "-m", "specrt.runtime", "generate", "--engines", str(folders["engines"]["dspark"]),
+        [sys.executable, "-m", "specrt.tools", "generate", "--engines", str(folders["engines"]["dspark"]),
          "--drafter", "dspark", "--prompt", "w5 w9 w23", "--no-chat-template", "--max-new-tokens", "12", "--speedup",
          "--threads", "1"],
         capture_output=True, text=True, timeout=300,
@@ -204,7 +204,7 @@ def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     assert out.returncode == 0, out.stderr
     assert "(ort)" in out.stderr and "drafter: dspark" in out.stderr
     assert "tau " in out.stderr and "identical output" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "specrt.runtime", "generate", "--backend", "ort", "--prompt", "x"],
+    bad = subprocess.run([sys.executable, "-m", "specrt.tools", "generate", "--backend", "ort", "--prompt", "x"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--engines" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -212,7 +212,7 @@ def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
 def test_copies_alone_run_on_a_target_only_folder(folders):
     """`--drafter lookup` needs no drafter graph: the folder exported with --drafter none speculates."""
     out = subprocess.run(
-        [sys.executable, "-m", "specrt.runtime", "generate", "--engines", str(folders["engines"]["none"]),
+        [sys.executable, "-m", "specrt.tools", "generate", "--engines", str(folders["engines"]["none"]),
          "--drafter", "lookup", "--prompt", "w5 w9 w5 w9 w5", "--no-chat-template", "--max-new-tokens", "24",
          "--speedup", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
