@@ -233,7 +233,8 @@ def test_options_build_grafted_and_drafter_free_proposers(target):
     wrapped = proposer_for("eagle3", inner.drafter, options)
     assert isinstance(wrapped, WithLookup) and wrapped.name == "eagle3+lookup"
     assert wrapped.max_drafts == wrapped.inner.max_drafts + 7
-    assert not isinstance(proposer_for("eagle3", inner.drafter, DraftOptions()), WithLookup)
+    assert not isinstance(proposer_for("eagle3", inner.drafter, DraftOptions(lookup=0)), WithLookup)
+    assert isinstance(proposer_for("eagle3", inner.drafter, DraftOptions()), WithLookup)  # copies on by default
     with pytest.raises(SpecrtError, match="--lookup"):
         DraftOptions(lookup=-1)
     with pytest.raises(SpecrtError, match="match"):
