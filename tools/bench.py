@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-variants", action="store_true",
                    help="run each drafter with and without --lookup (default 16) copies, and the drafter-free "
                         "lookup proposer on each plain configuration, in the same run")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench"))
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_shared_batches_argument(p)
     p.add_argument("--sps", help="SPS table for the scheduled mode (default: each folder's sps.json / a quick profile)")
-    p.add_argument("--out", type=Path, default=Path("docs/serving"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench-serving"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lookup-alone", action="store_true",
                    help="also serve the drafter-free lookup proposer (copies from the text) on the first "

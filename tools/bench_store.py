@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--lookup", type=int, default=0, help="copy tokens per step (default: the folder's)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("docs/bench/store_scaling"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench-store"))
     args = p.parse_args(argv)
     from specrt.plugins.errors import SpecrtError
     from specrt.tools.datasets import mtbench_questions

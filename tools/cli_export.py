@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=None,
                         help="K/V cache capacity recorded for the runtime (default: max_position_embeddings)")
     parser.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                        help="store weights beside the graph (auto: graphs over 512 MiB)")
+                        help="auto/always: one weights file (weights.data) shared by every graph, each tensor stored once; "
+                             "never: each graph keeps its own copy of its weights inside it (single-file graphs)")
     add_draft_arguments(parser.add_argument_group("drafting defaults recorded in the folder (the runtime starts "
                                                   "from them; flags of generate / serve override them)"),
                         max_drafts=True)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl-samples", type=int, default=48)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default="docs/quant")
+    ap.add_argument("--out", default="runs/quant")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

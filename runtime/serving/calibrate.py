@@ -11,8 +11,8 @@ so it needs the step time of THIS device and backend. `profile_sps` measures it 
 - the median of `repeats` timed runs after `warmup` runs gives SPS(B) = 1 / median seconds.
 Nothing is committed: the new tokens are scratch, so the context stays the same for every point.
 
-The table is stored as `sps.json` next to an engine folder's manifest.json (a separate file, so the
-manifest's checksums stay valid), in `specrt.runtime.scheduler.SpsTable`'s format, with the
+The table is stored as `sps.json` next to an engine folder's manifest.json (`specrt calibrate` records
+its checksum in the manifest, like every file the runtime reads), in `specrt.runtime.scheduler.SpsTable`'s format, with the
 device, backend, threads, slots and context in `meta`, and plotted to `sps.png`.
 """
 
