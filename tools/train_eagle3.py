@@ -433,6 +433,10 @@ def init_from_drafter(drafter: Eagle3Drafter, vocab: DraftVocab, folder: Path, t
     from specrt.tools.train_common import optimizer_slots
 
     start = load_drafter(folder, target.config, kind="eagle3")
+    if start.config.norm_before_residual:
+        # the training step computes the plain residual: fine-tuning would silently change the variant
+        raise SpecrtError(f"--init-from {folder}: a norm_before_residual EAGLE-3 (speculators variant), which "
+                          "this trainer does not compute", "start from a SafeAILab-style EAGLE-3 drafter, or none")
     model = {k: v.float() for k, v in start.state_dict().items()}
     old_tokens = (start.d2t + torch.arange(len(start.d2t))).tolist()
     if start.config.intermediate_size != drafter.config.intermediate_size:
