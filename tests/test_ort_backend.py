@@ -49,8 +49,12 @@ def folders(tmp_path_factory):
 
 
 def torch_pipeline(folders, kind: str = "none") -> Pipeline:
+    from specrt.export.draft_options import DraftOptions
+
     ckpt = None if kind == "none" else folders["root"] / f"ckpt-{kind}"
-    return Pipeline.from_checkpoint(folders["root"] / "tiny", drafter=kind, drafter_ckpt=ckpt)
+    # the drafter alone (no copies grafted on), so its drafts can be compared with the ORT twin's
+    return Pipeline.from_checkpoint(folders["root"] / "tiny", drafter=kind, drafter_ckpt=ckpt,
+                                    draft_options=DraftOptions(lookup=0))
 
 
 def test_split_window_mask_matches_the_slot_view():
@@ -134,8 +138,8 @@ def torch_spec_options(pipe: Pipeline):
 
     p = pipe.proposer
     if p.name == "eagle3":
-        return DraftOptions(p.top_k, p.depth, p.total_tokens)
-    return DraftOptions(confidence_threshold=p.threshold)
+        return DraftOptions(p.top_k, p.depth, p.total_tokens, lookup=0)
+    return DraftOptions(confidence_threshold=p.threshold, lookup=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
