@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specrt.export.draft_options import DraftOptions, folder_draft_options, from_manifest, resolve
-from specrt.tools import cli_generate, cli_serve
+from specrt.tools import cli_generate
 from specrt.tools.cli import build_parser, main
 
 FOLDER_RECORD = {
@@ -65,7 +65,7 @@ def test_serve_resolves_like_generate(folder):
 
     assert resolve_draft_options(args, folder) == resolve(from_manifest({"drafting": FOLDER_RECORD}),
                                                          {"tree_tokens": 5})
-    assert cli_serve.load_pipeline  # serve loads through the same resolution (tools/cli_serve.py)
+    assert cli_generate.load_pipeline  # serve and calibrate load through the same resolution
 
 
 def test_defaults_are_defined_once():

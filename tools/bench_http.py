@@ -132,7 +132,6 @@ def measure_level(base: str, model: str, concurrency: int, args) -> dict:
 
 
 def run_url(args: argparse.Namespace) -> int:
-    from specrt.tools.bench_serving import parse_list
     from specrt.tools.report_files import write_report
 
     if args.engines or args.drafters:
@@ -194,3 +193,14 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def parse_list(text: str, name: str) -> list[int]:
+    from specrt.plugins.errors import SpecrtError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecrtError(f"--{name} must be a comma list of integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16") from None
+    if not values or any(v < 1 for v in values):
+        raise SpecrtError(f"--{name} needs positive integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16")
+    return values

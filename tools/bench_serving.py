@@ -77,18 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", type=int, default=None, help="copied drafts per step (default: the folder's / 16)")
 
 
-def parse_list(text: str, name: str) -> list[int]:
-    from specrt.plugins.errors import SpecrtError
-
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecrtError(f"--{name} must be a comma list of integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16") from None
-    if not values or any(v < 1 for v in values):
-        raise SpecrtError(f"--{name} needs positive integers, got {text!r}", f"e.g. --{name} 1,2,4,8,16")
-    return values
-
-
 def make_prompts(args, tokenizer, vocab: int, count: int) -> list[list[int]]:
     import torch
 
@@ -225,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         from specrt.tools.bench_http import run_url
 
         return run_url(args)
+    from specrt.tools.bench_http import parse_list
+
     levels = parse_list(args.concurrency, "concurrency")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from specrt.tools.cli_generate import resolve_backend
     from specrt.export.manifest import record_files
     from specrt.runtime.serving.calibrate import SPS_FILE, plot_sps, profile_sps
-    from specrt.tools.cli_serve import load_pipeline
+    from specrt.tools.cli_generate import load_pipeline
 
     backend = resolve_backend(args)
     if args.slots < 1 or args.context < 1 or args.repeats < 1 or args.warmup < 0:

@@ -103,23 +103,6 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="--ray: join this cluster (auto, or HEAD_IP:6379); default: start a local one-node cluster")
 
 
-def load_pipeline(args: argparse.Namespace):
-    import torch
-    from specrt.runtime.serving.loading import set_batch_mode
-    from specrt.tools.cli_generate import build_pipeline
-    from specrt.tools.draft_flags import resolve_draft_options
-
-    options = resolve_draft_options(args, args.engines)  # bad values fail before loading
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pipe = build_pipeline(args, options)
-    set_batch_mode(pipe, getattr(args, "shared_batches", False))
-    if pipe.host_threads is not None:
-        # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)
-        torch.set_num_threads(pipe.host_threads)
-    return pipe
-
-
 def run(args: argparse.Namespace) -> int:
     from specrt.tools.cli_generate import resolve_backend
     from specrt.runtime.serving.loading import make_batcher, make_engine, sps_for
@@ -144,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from specrt.runtime.serving.server import ServeConfig, create_app
 
     start = time.perf_counter()
+    from specrt.tools.cli_generate import load_pipeline
+
     pipe = load_pipeline(args)
     engine = make_engine(pipe, args.slots, args.capacity)
     sps = sps_for(pipe, engine, args)

@@ -5,7 +5,7 @@
 
 The flags live in cli_serve.py; this module checks them, builds the application
 (`specrt.runtime.serving.ray_app`) and keeps it up until Ctrl-C. Each replica loads its pipeline with
-`cli_serve.load_pipeline(args)` on its own node: the engine folder's path must exist there.
+`cli_generate.load_pipeline(args)` on its own node: the engine folder's path must exist there.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def stop_serving(signum, frame) -> None:
 
 
 def run_ray(args: argparse.Namespace) -> int:
-    from specrt.tools.cli_serve import load_pipeline
+    from specrt.tools.cli_generate import load_pipeline
 
     try:
         import ray

@@ -1,6 +1,6 @@
 """Shared by `specrt serve`, `specrt calibrate` and the serving bench: size, calibrate, batch a loaded pipeline.
 
-Loading the pipeline from command-line flags is the CLI's job (`specrt.tools.cli_serve.load_pipeline`).
+Loading the pipeline from command-line flags is the CLI's job (`specrt.tools.cli_generate.load_pipeline`).
 """
 
 from __future__ import annotations
