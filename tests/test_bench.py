@@ -28,14 +28,14 @@ def test_bench_writes_report_tables_and_plots(default_target, tmp_path, capsys):
                  "--kv-contexts", "8,40", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
-    for kind in ("dflash", "dspark"):
+    for kind in ("dflash+lookup", "dspark+lookup"):  # copies are grafted onto every drafter by default
         assert report["lossless"][kind] == {"identical": 2, "of": 2, "tokens_compared": 8, "against": "plain"}
         for mode in ("greedy", "t1"):
             assert report["acceptance"][mode][kind]["tau"] >= 1.0
-    assert set(report["speed"]) == {"plain", "dflash", "dspark"}
+    assert set(report["speed"]) == {"plain", "dflash+lookup", "dspark+lookup"}
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speed.png").stat().st_size > 0
     assert set(report["kv"]) == {"8", "40"} and all(k["ms_per_step"] > 0 for k in report["kv"].values())
-    assert "| dflash |" in capsys.readouterr().out
+    assert "| dflash+lookup |" in capsys.readouterr().out
 
 
 def test_heldout_prompts_are_the_trainers_validation_split(tmp_path):

@@ -120,7 +120,7 @@ def _parse(args: list[str]):
 def test_build_cli_flags_are_exclusive_and_registered():
     with pytest.raises(SystemExit):
         _parse(["--engines", "x", "--trt", "--fp16", "--bf16"])
-    cli = (ROOT / "runtime" / "cli.py").read_text()
+    cli = (ROOT / "tools" / "cli.py").read_text()
     assert '"build": ("specrt.export.build"' in cli
 
 

@@ -5,6 +5,7 @@ check is `specrt bench --engines ...` (docs/results.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -43,17 +44,20 @@ def plain_tokens(default_target, prompts):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_drafter_on_ort_is_lossless_and_accepts(kind, default_target, prompts, plain_tokens, tmp_path):
+    from specrt.export.draft_options import folder_draft_options
     from specrt.export.export import export_engine
     from specrt.runtime.pipeline import Pipeline
+    from specrt.tools.cli_export import copy_files_for
 
     assert shipped_drafter(kind, DEFAULT_NAME) is not None, f"no {kind} drafter ships for {DEFAULT_NAME}"
     # the EAGLE-3 folder gets the copy hit rates and datastore of the shipped data; the
     # others skip them (~25 s an export; these checks draft without copies)
     with_files = kind == "eagle3"
     folder = export_engine(kind, out=tmp_path / f"smollm2-{kind}", quiet=True, loaded_target=default_target,
-                           lookup_files=with_files)
+                           extra_files=copy_files_for if with_files else None)
     assert (folder / "datastore.npz").exists() == with_files and (folder / "lookup.json").exists() == with_files
-    pipe = Pipeline.from_engines(folder, threads=2, drafter=kind)
+    alone = dataclasses.replace(folder_draft_options(folder), lookup=0)  # the drafter's own drafts
+    pipe = Pipeline.from_engines(folder, threads=2, drafter=kind, draft_options=alone)
     assert pipe.proposer.name == kind
     result = pipe.generate_ids(prompts, TOKENS)
     assert result.tokens == plain_tokens

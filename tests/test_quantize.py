@@ -167,8 +167,7 @@ def test_gguf_blocks_carry_the_default_models_weights_exactly(default_target, tm
     from specrt.runtime.engine import causal_mask
 
     folder = export_engine("none", out=tmp_path / "gguf", quiet=True, loaded_target=default_target,
-                           quant=QuantOptions("gguf", accuracy_level=0), ort_fused=False,  # only target.onnx is read
-                           lookup_files=False)
+                           quant=QuantOptions("gguf", accuracy_level=0), ort_fused=False)  # only target.onnx is read
     model = onnx.load(str(folder / "target.onnx"), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 211 and "Gemm" not in ops  # 30 layers x 7 + the tied head (Q8_0)
