@@ -1,6 +1,6 @@
 """Serving throughput and latency at several concurrencies: plain vs fixed vs scheduled speculation.
 
-    python -m specrt.tools.bench_serving --engines engines/A,engines/B --concurrency 1,2,4,8,16 --out docs/serving
+    python -m specrt.tools.bench_serving --engines engines/A,engines/B --concurrency 1,2,4,8,16 --out runs/bench-serving
     specrt bench-serving --backend torch --drafters dspark=runs/dspark/drafter --concurrency 1,4,16
     specrt bench-serving --url http://127.0.0.1:8000 --concurrency 1,4,16 --label ray-2x1   (any OpenAI endpoint:
                                                                   tools/bench_http.py)
@@ -109,6 +109,7 @@ def build(args: argparse.Namespace):
     from specrt.export.manifest import load_manifest
     from specrt.export.draft_options import from_manifest
     from specrt.runtime.pipeline import Pipeline
+    from specrt.runtime.serving.loading import serving_pipeline
 
     folders = [f for f in args.engines.split(",") if f]
     if not folders:
@@ -117,7 +118,8 @@ def build(args: argparse.Namespace):
     plain, drafted, where = None, {}, {}
     for folder in folders:
         defaults = from_manifest(load_manifest(folder, verify_checksums=False).data)
-        pipe = Pipeline.from_engines(folder, args.device, args.threads, draft_options=draft_options(args, defaults))
+        pipe = serving_pipeline(Pipeline.from_engines(folder, args.device, args.threads,
+                                                      draft_options=draft_options(args, defaults)))
         if pipe.proposer is not None:
             if pipe.proposer.name in drafted:
                 raise SpecrtError(f"two engine folders hold a {pipe.proposer.name} drafter", "pass one folder per drafter")

@@ -98,13 +98,13 @@ def load_pipeline(args: argparse.Namespace):
     """The pipeline of serve, calibrate and the Ray replicas: drafting options resolved, batch mode and
     host threads set for a server."""
     import torch
-    from specrt.runtime.serving.loading import set_batch_mode
+    from specrt.runtime.serving.loading import serving_pipeline, set_batch_mode
     from specrt.tools.draft_flags import resolve_draft_options
 
     options = resolve_draft_options(args, args.engines)  # bad values fail before loading
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = build_pipeline(args, options)
+    pipe = serving_pipeline(build_pipeline(args, options))
     set_batch_mode(pipe, getattr(args, "shared_batches", False))
     if pipe.host_threads is not None:
         # the engine thread does torch host work between ORT calls: one thread (runtime/host_threads.py)

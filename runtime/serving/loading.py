@@ -9,6 +9,14 @@ import argparse
 import sys
 
 
+def serving_pipeline(pipe):
+    """The pipeline a server drives: where `--drafter auto` gave a measured proposer, its serving form
+    (the drafter with copies, else the copies): the batcher's draft gate and measured gate make the
+    per-step choice between drafting, copies and plain steps themselves."""
+    proposer = getattr(pipe.proposer, "serving_proposer", pipe.proposer)
+    return pipe if proposer is pipe.proposer else pipe.with_proposer(proposer)
+
+
 def set_batch_mode(pipe, shared: bool) -> None:
     """--shared-batches: batches of an int8-activation ORT engine through the portable batched graph
     (`OrtTargetModel.per_row_batches` off) - faster at several requests, not batch-invariant."""
