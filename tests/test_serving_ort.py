@@ -66,8 +66,10 @@ def calibrate(folder: Path, slots: int) -> SpsTable:
 def test_calibrate_writes_sps_next_to_the_manifest(folders, kind):
     from specrt.export.manifest import load_manifest
 
+    from specrt.runtime.serving.loading import serving_pipeline
+
     table = calibrate(folders[kind], 2)
-    pipe = Pipeline.from_engines(folders[kind])
+    pipe = serving_pipeline(Pipeline.from_engines(folders[kind]))  # what a server (and calibrate) drives
     assert table.min_tokens == 1 and table.max_tokens >= 2 * (pipe.proposer.max_drafts + 1)
     assert table.meta["slots"] == 2 and table.meta["backend"] == "ort" and table.meta["drafter"] == kind + "+lookup"
     assert (folders[kind] / "sps.png").stat().st_size > 1000
