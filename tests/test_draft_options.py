@@ -65,7 +65,6 @@ def test_serve_resolves_like_generate(folder):
 
     assert resolve_draft_options(args, folder) == resolve(from_manifest({"drafting": FOLDER_RECORD}),
                                                          {"tree_tokens": 5})
-    assert cli_generate.load_pipeline  # serve and calibrate load through the same resolution
 
 
 def test_defaults_are_defined_once():
