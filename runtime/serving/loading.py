@@ -56,9 +56,6 @@ def make_batcher(pipe, engine, schedule: str, sps, draft_gate: bool = True, draf
                  measured_gate: bool = True):
     from specrt.runtime.serving.batcher import Batcher
 
-    proposer = pipe.proposer if drafter else None
-    # `--drafter auto`: the batcher's draft gate and measured gate choose among plain steps, copies and
-    # the drafter per step themselves (`specrt.runtime.proposers.auto.AutoProposer.serving_proposer`)
-    proposer = getattr(proposer, "serving_proposer", proposer)
+    proposer = serving_pipeline(pipe).proposer if drafter else None
     return Batcher(engine, proposer, schedule if proposer is not None else "fixed", sps, eos_ids(pipe),
                    draft_gate=draft_gate, measured_gate=measured_gate)
