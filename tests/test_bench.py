@@ -85,7 +85,7 @@ def test_the_comparison_table_on_tiny_engines(tmp_path):
     write_hf_target(tmp_path / "tiny", make_sharp_target())
     folder = tmp_path / "plain"
     assert export_main(["--drafter", "none", "--target", str(tmp_path / "tiny"), "--out", str(folder), "--quiet"]) == 0
-    rows = bench_table.specrt_rows([folder], 10, SamplingParams(0.0), threads=1)
+    rows = bench_table.specrt_rows([folder], threads=1)
     labels = [r.label for r in rows]
     assert labels == ["specrt fp32 plain", "specrt fp32 copies alone", "specrt fp32 auto"]
     sets = {"mtbench": [[5, 9, 23, 5, 9], [7, 3, 11]], "code": [[4, 8, 15, 16, 4, 8, 15]]}
@@ -104,3 +104,179 @@ def test_the_comparison_table_on_tiny_engines(tmp_path):
     md = paths[1].read_text()
     assert "| specrt fp32 auto |" in md and "MT-bench tok/s (median)" in md and "code (HumanEval)" in md
     assert paths[2].stat().st_size > 0
+    assert "### where the time goes (greedy)" in md and "| specrt fp32 auto | code (HumanEval) |" in md
+
+    # temperature 1: every row samples prompt n with seed 3 + n, seeded, so each is still plain's text
+    sampled = bench_table.run_table(rows, sets, 10, SamplingParams(1.0, seed=3))
+    assert sampled["sampling"] == {"temperature": 1.0, "seed": 3}
+    for label, entry in sampled["rows"].items():
+        for name, cell in entry["sets"].items():
+            if label != "specrt fp32 plain":
+                assert cell["identical"] == cell["of"] == len(sets[name]), (label, name)
+    plain = rows[0]  # and it samples: some prompt's text differs from greedy's
+    assert any(plain.run(p, 10, SamplingParams(1.0, seed=3 + n)).tokens != plain.run(p, 10, SamplingParams()).tokens
+               for n, p in enumerate(sets["mtbench"] + sets["code"]))
+    md = bench_table.render(sampled)
+    assert "sampled at temperature 1 (no top-k / top-p), prompt n with seed 3 + n in every row" in md
+    assert "same text as plain (same seed)" in md
+
+
+def _fake_stats(rounds: int, draft: float, verify: float, host: float, round_tokens: int) -> "RequestStats":
+    from specrt.runtime.stats import RequestStats
+
+    return RequestStats(prompt_tokens=5, new_tokens=round_tokens + 1, rounds=rounds, round_tokens=round_tokens,
+                        prefill_seconds=0.004, draft_seconds=draft, verify_seconds=verify, host_seconds=host)
+
+
+def test_where_the_time_goes_is_the_median_per_round_of_each_requests_stats():
+    """The cost split: per row and set, the median over prompts of each request's seconds / rounds (not
+    the sums over the set), tau per request, the arms' rounds summed; peers have none."""
+    from specrt.tools import bench_table
+    from specrt.tools.bench_table import Row, RowRun
+
+    # per prompt: (stats, arm rounds); medians of 3 prompts are the middle values per round
+    runs = [(_fake_stats(10, 0.020, 0.100, 0.010, 30), {"eagle3+lookup": 8, "plain": 1}),  # 2 / 10 / 1 ms, tau 3
+            (_fake_stats(4, 0.016, 0.080, 0.008, 4), {"lookup": 3}),  # 4 / 20 / 2 ms, tau 1
+            (_fake_stats(100, 0.300, 0.700, 0.200, 250), {"eagle3+lookup": 99})]  # 3 / 7 / 2 ms, tau 2.5
+    calls = iter(range(10**6))
+
+    def drafted(prompt, max_new, sampling):
+        i = next(calls)
+        stats, arms = runs[(i - 1) % 3] if i else (_fake_stats(1, 0.0, 0.0, 0.0, 1), None)  # 0: warm-up
+        return RowRun(list(prompt), stats.new_tokens, 0.5, stats, arms)
+
+    def peer(prompt, max_new, sampling):
+        return RowRun(None, 9, 0.5)
+
+    rows = [Row("specrt int4 auto (eagle3)", drafted), Row("llama.cpp", peer, peer=True)]
+    report = bench_table.run_table(rows, {"mtbench": [[1, 2], [3, 4], [5, 6]]}, 8)
+    cell = report["rows"]["specrt int4 auto (eagle3)"]["sets"]["mtbench"]
+    assert cell["cost"]["draft_ms_per_round"] == 3.0  # sums over the set would give 336 / 114 = 2.9 ms
+    assert cell["cost"]["verify_ms_per_round"] == 10.0
+    assert cell["cost"]["host_ms_per_round"] == 2.0
+    assert cell["cost"]["tau"] == 2.5 and cell["cost"]["prefill_ms"] == 4.0 and cell["cost"]["rounds"] == 10
+    assert cell["arm_rounds"] == {"eagle3+lookup": 107, "plain": 1, "lookup": 3}
+    assert "cost" not in report["rows"]["llama.cpp"]["sets"]["mtbench"]
+    md = bench_table.render(report)
+    assert ("| specrt int4 auto (eagle3) | MT-bench | 2.50 | 3.0 | 10.0 | 2.0 | 4.0 | 62.0 "
+            "| eagle3 + copies 96%, copies 3%, plain 1% |") in md
+    assert "| llama.cpp | MT-bench |" not in md
+    # a request that ended at prefill has no round: it counts for prefill only
+    assert bench_table.cost_split([_fake_stats(0, 0.0, 0.0, 0.0, 0)])["draft_ms_per_round"] is None
+
+
+def test_a_sampled_table_seeds_specrt_per_prompt_and_lets_the_peers_sample_at_that_temperature():
+    """At temperature 1, prompt n of the run (sets in order) reaches every specrt row as seeded sampling
+    with seed + n, and every peer as temperature 1 with that number for its own generator; the
+    identical column counts, per prompt, the texts equal to plain's under the same seed."""
+    from specrt.runtime.sampling import SamplingParams
+    from specrt.tools import bench_table
+    from specrt.tools.bench_table import Row, RowRun
+    from specrt.tools.peers import PeerRun
+
+    seen: dict[str, list] = {}
+
+    def specrt_row(label, text_of):
+        def run(prompt, max_new, sampling):
+            seen.setdefault(label, []).append(sampling)
+            return RowRun(text_of(prompt, sampling.seed), 3, 0.1)
+        return Row(label, run, plain=None if label.endswith("plain") else "specrt int4 plain")
+
+    seeded = lambda prompt, seed: [seed, *prompt]  # the text depends on prompt and seed only
+    peer_calls = []
+    peer = PeerRun("llama.cpp", lambda prompt, max_new, temperature, seed: peer_calls.append((temperature, seed)) or 3)
+    rows = [specrt_row("specrt int4 plain", seeded), specrt_row("specrt int4 auto", seeded),
+            specrt_row("specrt int4 clock-driven", lambda prompt, seed: [len(seen["specrt int4 plain"]) % 2, *prompt]),
+            *bench_table.peer_rows([peer])]
+    sets = {"mtbench": [[1], [2]], "code": [[3]]}
+    report = bench_table.run_table(rows, sets, 4, SamplingParams(1.0, seed=7))
+    for label in ("specrt int4 plain", "specrt int4 auto"):  # the warm-up, then prompts 0, 1, 2
+        assert seen[label] == [SamplingParams(1.0, seed=s) for s in (7, 7, 8, 9)], label
+    assert peer_calls == [(1.0, 7), (1.0, 7), (1.0, 8), (1.0, 9)]
+    auto = report["rows"]["specrt int4 auto"]["sets"]
+    assert (auto["mtbench"]["identical"], auto["code"]["identical"]) == (2, 1)
+    clock = report["rows"]["specrt int4 clock-driven"]["sets"]
+    assert clock["mtbench"]["identical"] + clock["code"]["identical"] < 3
+    md = bench_table.render(report)
+    assert "batch 1, sampled at temperature 1 (no top-k / top-p), prompt n with seed 7 + n in every row" in md
+    assert "texts are their own samples" in md and "greedy identical" not in md
+    # greedy stays greedy, and the peers refuse filters they would not apply
+    bench_table.run_table(rows[:1], {"mtbench": [[1]]}, 4)
+    assert seen["specrt int4 plain"][-1] == SamplingParams()
+    import pytest
+
+    with pytest.raises(ValueError, match="top-k and top-p off"):
+        rows[-1].run([1], 4, SamplingParams(1.0, top_k=5))
+
+
+def test_the_peers_sample_the_whole_distribution_at_a_temperature(monkeypatch, tmp_path):
+    """What each peer is asked for: onnxruntime-genai do_sample, top_k 0, top_p 1 and the seed (its config
+    defaults to top_k 50), llama.cpp temp with top_k 0, top_p 1, min_p 0 and set_seed; greedy otherwise."""
+    import sys
+    import types
+
+    from specrt.tools import peers
+
+    calls: list = []
+    og = types.ModuleType("onnxruntime_genai")
+    og.__version__ = "test"
+    og.Model = lambda folder: "model"
+
+    class GeneratorParams:
+        def __init__(self, model):
+            pass
+
+        def set_search_options(self, **options):
+            calls.append(("genai", options))
+
+    class Generator:
+        def __init__(self, model, params):
+            self.made = 0
+
+        def append_tokens(self, tokens):
+            pass
+
+        def is_done(self):
+            return self.made >= 2
+
+        def generate_next_token(self):
+            self.made += 1
+
+    og.GeneratorParams, og.Generator = GeneratorParams, Generator
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", og)
+    monkeypatch.setattr(peers, "build_genai_model", lambda *a, **k: tmp_path)
+    genai = peers.genai_peer(None, "int4", 2)
+    assert genai.generate([1, 2], 4, 1.0, 11) == 2
+    assert calls[-1] == ("genai", {"max_length": 6, "batch_size": 1, "do_sample": True, "top_k": 0, "top_p": 1.0,
+                                   "temperature": 1.0, "random_seed": 11})
+    genai.generate([1, 2], 4)
+    assert calls[-1] == ("genai", {"max_length": 6, "batch_size": 1, "do_sample": False})
+
+    llama_cpp = types.ModuleType("llama_cpp")
+    llama_cpp.__version__, llama_cpp.LLAMA_DEFAULT_SEED = "test", 0xFFFFFFFF
+
+    class Llama:
+        def __init__(self, **kwargs):
+            pass
+
+        def token_eos(self):
+            return 0
+
+        def reset(self):
+            pass
+
+        def set_seed(self, seed):
+            calls.append(("seed", seed))
+
+        def generate(self, tokens, **sampling):
+            calls.append(("llama", sampling))
+            yield from (5, 6, 0)
+
+    llama_cpp.Llama = Llama
+    monkeypatch.setitem(sys.modules, "llama_cpp", llama_cpp)
+    llama = peers.llamacpp_peer(tmp_path / "m.gguf", 2, 64)
+    assert llama.generate([1, 2], 4, 1.0, 11) == 2
+    assert calls[-2:] == [("seed", 11), ("llama", {"temp": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                   "typical_p": 1.0, "reset": True})]
+    llama.generate([1, 2], 4)
+    assert calls[-1] == ("llama", {"temp": 0.0, "top_k": 1, "reset": True})

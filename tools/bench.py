@@ -20,7 +20,10 @@ Three measurements, because they answer different questions on a 2-core machine:
 - speed: batch-1 tokens/s (prefill included) of plain decoding, each drafter and each --compare
   peer on the first --speed-prompts prompts, configurations interleaved prompt by prompt (order
   reversed every other prompt) so machine noise hits all of them alike; speedup = tok/s over plain
-  decoding's from the same run. Peers get the same prompt ids, threads and max new tokens.
+  decoding's from the same run. Peers get the same prompt ids, threads and max new tokens. Greedy,
+  or sampled at --temperature (no top-k / top-p): prompt n with seed --seed + n in every specrt
+  configuration (seeded sampling: the text does not depend on the drafter), the peers with their own
+  generators.
 - KV cost (--kv-contexts 64,1024): plain decoding's time per decode step after a prompt of each
   length; with the cache read in place it grows only with the attention over the longer window.
 With --engines and --compare, the speed measurement is the comparison table of `bench_table`
@@ -41,6 +44,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from specrt.tools.draft_flags import add_draft_arguments, resolve_draft_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,17 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-contexts", default="64,1024", help="contexts for the per-step KV cost (empty: skip)")
     p.add_argument("--modes", default="greedy,t1", help="greedy and/or t1 (temperature 1); empty: skip acceptance")
     p.add_argument("--batch-size", type=int, default=40, help="rows per batch in the acceptance runs")
-    p.add_argument("--tree-top-k", type=int, default=None, help="EAGLE-3 tree: children per node (default: the engine folder's record, else DraftOptions')")
-    p.add_argument("--tree-depth", type=int, default=None)
-    p.add_argument("--tree-tokens", type=int, default=None)
-    p.add_argument("--confidence-threshold", type=float, default=None)
-    p.add_argument("--max-drafts", type=int, default=None, help="DSpark/DFlash: drafts per step at most")
-    p.add_argument("--block-tree-top-k", type=int, default=None,
-                   help="DSpark/DFlash: candidates per position, a tree of --tree-tokens (default 1: a chain)")
-    p.add_argument("--lookup", type=int, default=None,
-                   help="drafts copied from the request's text grafted onto each drafter's (0: off; default: the "
-                        "engine folder's record, else DraftOptions'; specrt.runtime.proposers.lookup)")
-    p.add_argument("--lookup-threshold", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the speed runs (batch-1 speed, the --compare table) sample at this temperature, no top-k / "
+                        "top-p (0: greedy). specrt samples prompt n of the run with seed --seed + n in every "
+                        "configuration, so its text is still compared with plain decoding; the peers sample with "
+                        "their own generators (their own texts)")
+    add_draft_arguments(p.add_argument_group(
+        "drafting (each flag given overrides the engine folder's record, which overrides DraftOptions' defaults)"))
     p.add_argument("--lookup-variants", action="store_true",
                    help="run each drafter with and without --lookup (default 16) copies, and the drafter-free "
                         "lookup proposer on each plain configuration, in the same run")
@@ -105,7 +106,8 @@ def parse_drafters(text: str) -> dict[str, str | None]:
 
 
 def draft_options(args: argparse.Namespace, base=None):
-    """Flags given on the command line override the engine folder's (or the library's) defaults."""
+    """Flags given on the command line over `base` (a manifest's DraftOptions already loaded, e.g. by
+    `specrt bench-serving`); from a folder path, `resolve_draft_options(args, folder)` does the same."""
     from specrt.export.draft_options import DraftOptions, resolve
     from specrt.tools.draft_flags import draft_flags
 
@@ -128,7 +130,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
     from specrt.runtime.backends.ort_backend import with_folder_lookup
     from specrt.runtime.proposers.datastore import DATASTORE_FILE
 
-    options = dataclasses.replace(draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
+    options = dataclasses.replace(resolve_draft_options(args), lookup=args.lookup or DEFAULT_LOOKUP_TOKENS)
     for label, pipe in list(drafted.items()):
         del drafted[label]
         inner = getattr(pipe.proposer, "inner", pipe.proposer)  # the drafter alone, whatever the folder says
@@ -174,7 +176,6 @@ def build_pipelines(args: argparse.Namespace):
     backend = args.backend if args.backend != "auto" else ("ort" if args.engines else "torch")
     if backend == "ort":
         from specrt.export.manifest import load_manifest
-        from specrt.export.draft_options import from_manifest
 
         folders = [f for f in args.engines.split(",") if f]
         if not folders:
@@ -192,7 +193,7 @@ def build_pipelines(args: argparse.Namespace):
             # the folder's own drafter (plain decoding without one): the drafters' report, not `auto`
             pipe = Pipeline.from_engines(folder, args.device, args.threads,
                                          drafter=(data.get("drafter") or {}).get("kind") or "none",
-                                         draft_options=draft_options(args, from_manifest(data)))
+                                         draft_options=resolve_draft_options(args, folder))
             suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
             label = "plain" + suffix
             if pipe.proposer is None and (label in plains or suffix in drafted_formats):
@@ -206,7 +207,7 @@ def build_pipelines(args: argparse.Namespace):
         return plains, drafted, "ort"
     plain = Pipeline.from_checkpoint(args.target, device=args.device)
     shipped_for = plain.name if args.target is None else None
-    options = draft_options(args)
+    options = resolve_draft_options(args)
     proposers = [load_proposer(kind, path, plain.model, options, shipped_for)
                  for kind, path in parse_drafters(args.drafters).items()]
     return {"plain": plain}, {p.name: plain.with_proposer(p) for p in proposers}, "torch"
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     compare = [c for c in args.compare.split(",") if c]
+    speed_temperature = speed_sampling(args).temperature  # a bad --temperature fails before the loading
     plains, drafted, backend = build_pipelines(args)
     if args.lookup_variants:
         add_lookup_variants(plains, drafted, args)
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     modes = {"greedy": SamplingParams(0.0), "t1": SamplingParams(1.0, seed=args.seed)}
     threads = args.threads or torch.get_num_threads()
     report: dict = {"backend": backend, "device": args.device, "prompts": len(prompts),
-                    "prompt_source": args.prompt_source,
+                    "prompt_source": args.prompt_source, "speed_temperature": speed_temperature,
                     "max_new_tokens": args.max_new_tokens, "threads": threads,
                     "acceptance": {}, "speed": {}, "lossless": {}, "kv": {}, "peers": {}}
 
@@ -362,19 +364,20 @@ def _run_all(pipe, prompts, args, params, desc, max_new_tokens=None):
 
 
 def measure_speed(plains, drafted, prompts, args, compare, threads):
-    """Batch-1 tok/s of every configuration and peer, interleaved prompt by prompt."""
+    """Batch-1 tok/s of every configuration and peer, interleaved prompt by prompt (--temperature: prompt n
+    sampled with seed --seed + n by all, `bench_table.prompt_sampling`)."""
     from tqdm import tqdm
 
-    from specrt.runtime.sampling import SamplingParams
+    from specrt.tools.bench_table import prompt_sampling
     from specrt.tools.peers import make_peers, time_peer
 
-    greedy = SamplingParams(0.0)
+    sampling = speed_sampling(args)
     plain = plains.get("plain") or next(iter(plains.values()))
     runners = {}
     for label, pipe in plains.items():
-        runners[label] = (lambda pipe: lambda p: _timed(pipe, p, args.speed_tokens, greedy))(pipe)
+        runners[label] = (lambda pipe: lambda p, s: _timed(pipe, p, args.speed_tokens, s))(pipe)
     for kind, pipe in drafted.items():
-        runners[kind] = (lambda pipe: lambda p: _timed(pipe, p, args.speed_tokens, greedy))(pipe)
+        runners[kind] = (lambda pipe: lambda p, s: _timed(pipe, p, args.speed_tokens, s))(pipe)
     notes: dict[str, str] = {}
     if compare:
         loaded = _loaded_target_for_peers(plain)
@@ -382,15 +385,16 @@ def measure_speed(plains, drafted, prompts, args, compare, threads):
         for peer in make_peers(compare, loaded, threads, context, lambda m: print(m, file=sys.stderr)):
             notes[peer.name] = peer.note
             if peer.generate is not None:
-                runners[peer.name] = (lambda peer: lambda p: time_peer(peer, p, args.speed_tokens))(peer)
+                runners[peer.name] = (lambda peer: lambda p, s: time_peer(peer, p, args.speed_tokens, s.temperature,
+                                                                         s.seed))(peer)
     for name, runner in runners.items():  # warm-up: first-call allocations and lazy inits out of the timing
-        runner(prompts[0][:16])
+        runner(prompts[0][:16], prompt_sampling(sampling, 0))
     seconds = dict.fromkeys(runners, 0.0)
     produced = dict.fromkeys(runners, 0)
     names = list(runners)
     for i, prompt in enumerate(tqdm(prompts, desc="speed (batch 1)", file=sys.stderr)):
         for name in names if i % 2 == 0 else reversed(names):
-            made, took = runners[name](prompt)
+            made, took = runners[name](prompt, prompt_sampling(sampling, i))
             produced[name] += made
             seconds[name] += took
     first = next(iter(plains))
@@ -409,23 +413,30 @@ def measure_speed(plains, drafted, prompts, args, compare, threads):
 
 def compare_table(args: argparse.Namespace, plain, compare: list[str], threads: int) -> dict:
     """`specrt.tools.bench_table` over --engines and the --compare peers; writes compare.{json,md,png}."""
-    from specrt.export.draft_options import from_manifest
-    from specrt.runtime.sampling import SamplingParams
     from specrt.tools import bench_table
     from specrt.tools.peers import make_peers
 
     sets = compare_prompt_sets(args, plain.tokenizer)
     folders = [f for f in args.engines.split(",") if f]
-    rows = bench_table.specrt_rows(folders, args.speed_tokens, SamplingParams(0.0), args.device, args.threads,
-                                   options_for=lambda data: draft_options(args, from_manifest(data)))
+    rows = bench_table.specrt_rows(folders, args.device, args.threads,
+                                   options_for=lambda folder: resolve_draft_options(args, folder))
     context = max(len(p) for prompts in sets.values() for p in prompts) + args.speed_tokens + 16
     peers = make_peers(compare, _loaded_target_for_peers(plain), threads, context, bench_table.log)
     rows += bench_table.peer_rows(peers)
-    report = bench_table.run_table(rows, sets, args.speed_tokens, bench_table.log)
+    report = bench_table.run_table(rows, sets, args.speed_tokens, speed_sampling(args), bench_table.log)
     report["threads"] = threads
     report["missing_peers"] = {p.name: p.note for p in peers if p.generate is None}
     bench_table.write(args.out, report)
     return report
+
+
+def speed_sampling(args: argparse.Namespace):
+    """--temperature and --seed as the speed runs' sampling (greedy at 0)."""
+    from specrt.runtime.sampling import SamplingParams
+
+    if not args.temperature:
+        return SamplingParams()
+    return SamplingParams(args.temperature, seed=args.seed)
 
 
 def compare_prompt_sets(args: argparse.Namespace, tokenizer) -> dict[str, list[list[int]]]:
@@ -503,7 +514,7 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {kind} | {c['identical']}/{c['of']} (first {c['tokens_compared']} tokens) |")
         lines.append("")
     if report["speed"]:
-        lines += ["### speed, batch 1, greedy (prefill included; interleaved in one run)", "",
+        lines += [f"### speed, batch 1, {_speed_words(report)} (prefill included; interleaved in one run)", "",
                   "| configuration | tok/s | vs specrt plain (first engine) | vs the fastest plain on the same weights |",
                   "|---|---|---|---|"]
         for name, s in report["speed"].items():
@@ -526,6 +537,11 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {ctx} | {k['ms_per_step']:.1f} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _speed_words(report: dict) -> str:
+    temperature = report.get("speed_temperature") or 0.0
+    return f"temperature {temperature:g} (seeded)" if temperature else "greedy"
 
 
 def plot(report: dict, out: Path) -> None:
@@ -554,7 +570,8 @@ def plot(report: dict, out: Path) -> None:
         ax.bar(names, [report["speed"][n]["tok_s"] for n in names], color=colors)
         first = next(iter(report["speed"]))
         ax.axhline(report["speed"][first]["tok_s"], color="gray", linestyle="--", label=f"specrt {first}")
-        ax.set(title=f"tokens/s, batch 1, greedy ({report['backend']}, {report['threads']} threads; gray: peers)",
+        ax.set(title=f"tokens/s, batch 1, {_speed_words(report)} ({report['backend']}, {report['threads']} threads; "
+                     "gray: peers)",
                ylabel="tok/s")
         ax.tick_params(axis="x", rotation=20)
         fig.tight_layout()

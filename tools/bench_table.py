@@ -13,31 +13,59 @@ Rows (W: a folder's weights, fp32 / int4 / w8a8 / gguf):
 Prompt sets: MT-bench first turns and HumanEval's code prompts (`specrt.tools.datasets`), the first
 --speed-prompts of each, MT-bench first. Per prompt every row runs once, the order reversed every
 other prompt so machine noise hits all rows alike; a row's tok/s on a prompt is new tokens / wall
-seconds from prompt in to last token out (prefill included), greedy, the same token ids for all.
+seconds from prompt in to last token out (prefill included), the same token ids for all.
 The table gives the median over the prompts and its ratio to the reference row (onnxruntime-genai
 int4 when it ran, else the first specrt plain row). Every specrt row's text is compared with plain
 decoding on the same weights (`identical`: prompts with the same tokens), and a named drafter counts
 the prompts on which it ran slower than what the automatic choice measured (`slower`).
+
+Sampling (`run_table(sampling=...)`): greedy by default. At a temperature > 0 prompt n of the run
+(the sets in order, counted from 0) is sampled with seed `sampling.seed + n` (0 + n without one) by
+every row: specrt's seeded sampling makes a text depend only on prompt, settings and seed, whatever
+was drafted (`specrt.runtime.seeded`), so `identical` still holds for every drafter. The peers
+sample at the same temperature with their own random generators (seeded with the same number):
+their texts are their own samples. A seeded request runs one arm of `--drafter auto` throughout
+(`AutoProposer`), so sampled runs have no slower-than-auto counts.
+
+Where the time goes (`cost_split`), per specrt row and set, medians over the prompts of the
+`RequestStats` of each request: tau (tokens per verify round, bonus included), drafting, verify and
+host ms per verify round, prefill ms; and, for an `AutoProposer`, the rounds each arm ran.
 Writes compare.json, compare.md and compare.png (`report_files.write_report`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.stats import RequestStats
+
 REFERENCE_PEER = "ort-genai int4"
+GREEDY = SamplingParams()
+
+
+@dataclass
+class RowRun:
+    """One request of one row."""
+
+    tokens: list[int] | None  # generated ids (None for a peer: its text is not compared)
+    new_tokens: int
+    seconds: float  # wall, prompt in to last token out
+    stats: RequestStats | None = None  # specrt rows: where the time went
+    arm_rounds: dict[str, int] | None = None  # `--drafter auto` and named choices: rounds per arm
 
 
 @dataclass
 class Row:
     label: str
-    # prompt ids -> (generated ids, or None for a peer; new tokens; wall seconds)
-    run: Callable[[Sequence[int]], tuple[list[int] | None, int, float]]
+    run: Callable[[Sequence[int], int, SamplingParams], RowRun]  # (prompt ids, max new tokens, sampling)
     peer: bool = False
     plain: str | None = None  # the plain row on the same weights (specrt rows)
     note: Callable[[], str | None] | None = None  # a named drafter's slower-than-auto note of the last run
@@ -48,6 +76,8 @@ class Row:
 class _Tally:
     rates: list[float] = field(default_factory=list)
     tokens: list[list[int] | None] = field(default_factory=list)
+    stats: list[RequestStats] = field(default_factory=list)
+    arm_rounds: Counter = field(default_factory=Counter)
     slower: int = 0
 
 
@@ -61,9 +91,10 @@ def weights_name(manifest: dict) -> str:
     return "gguf" if bits == "gguf" else f"int{bits}"
 
 
-def specrt_rows(folders: Sequence[str | Path], max_new: int, sampling, device: str = "cpu",
-                threads: int | None = None, options_for: Callable[[dict], object] | None = None) -> list[Row]:
-    """The specrt rows of the table for these engine folders (module docstring)."""
+def specrt_rows(folders: Sequence[str | Path], device: str = "cpu", threads: int | None = None,
+                options_for: Callable[[str | Path], object] | None = None) -> list[Row]:
+    """The specrt rows of the table for these engine folders (module docstring); options_for(folder): the
+    DraftOptions of a folder's pipelines (default: its record)."""
     from specrt.export.manifest import load_manifest
     from specrt.runtime.pipeline import Pipeline
 
@@ -72,7 +103,7 @@ def specrt_rows(folders: Sequence[str | Path], max_new: int, sampling, device: s
     for folder in folders:
         data = load_manifest(folder, verify_checksums=False).data
         weights = weights_name(data)
-        options = options_for(data) if options_for else None
+        options = options_for(folder) if options_for else None
         plain_label = f"specrt {weights} plain"
 
         def pipe(drafter: str, folder=folder, options=options):
@@ -82,18 +113,15 @@ def specrt_rows(folders: Sequence[str | Path], max_new: int, sampling, device: s
 
         if weights not in seen_weights:
             seen_weights.add(weights)
-            rows.append(_specrt_row(plain_label, pipe("none"), max_new, sampling, None, Path(folder).name))
-            rows.append(_specrt_row(f"specrt {weights} copies alone", pipe("lookup"), max_new, sampling,
-                                    plain_label, Path(folder).name))
+            rows.append(_specrt_row(plain_label, pipe("none"), None, Path(folder).name))
+            rows.append(_specrt_row(f"specrt {weights} copies alone", pipe("lookup"), plain_label, Path(folder).name))
         kind = data.get("drafter", {}).get("kind") if data.get("drafter") else None
         auto = f"specrt {weights} auto" + (f" ({kind})" if kind else "")
-        rows.append(_specrt_row(_unique(auto, rows, Path(folder).name), pipe("auto"), max_new, sampling, plain_label,
-                                Path(folder).name))
+        rows.append(_specrt_row(_unique(auto, rows, Path(folder).name), pipe("auto"), plain_label, Path(folder).name))
         if kind:
             named = pipe(kind)
             label = named.proposer.name.replace("+lookup", " + copies")
-            rows.append(_specrt_row(f"specrt {weights} {label}", named, max_new, sampling, plain_label,
-                                    Path(folder).name))
+            rows.append(_specrt_row(f"specrt {weights} {label}", named, plain_label, Path(folder).name))
     return rows
 
 
@@ -101,15 +129,27 @@ def _unique(label: str, rows: Sequence[Row], folder: str) -> str:
     return label if all(r.label != label for r in rows) else f"{label} [{folder}]"
 
 
-def _specrt_row(label: str, pipe, max_new: int, sampling, plain: str | None, folder: str) -> Row:
-    def run(prompt):
+def _specrt_row(label: str, pipe, plain: str | None, folder: str) -> Row:
+    def run(prompt, max_new, sampling):
         start = time.perf_counter()
         result = pipe.generate_ids([list(prompt)], max_new, sampling)
-        return result.tokens[0], result.stats[0].new_tokens, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        stats = result.stats[0]
+        return RowRun(result.tokens[0], stats.new_tokens, seconds, stats, arm_rounds(pipe.proposer))
 
     # a named choice measured against the automatic one (`AutoProposer.pinned`): its slower-than-auto note
     note = pipe.proposer.slower_note if getattr(pipe.proposer, "pinned", None) is not None else None
     return Row(label, run, plain=plain, note=note, detail=folder)
+
+
+def arm_rounds(proposer) -> dict[str, int] | None:
+    """Rounds per arm of the request just run, for an `AutoProposer` (None for other proposers). Its
+    summary counts closed rounds: the last round of a request is not in it."""
+    from specrt.runtime.proposers.auto import AutoProposer
+
+    if not isinstance(proposer, AutoProposer):
+        return None
+    return {arm: int(s["rounds"]) for arm, s in proposer.summary().items()}
 
 
 def peer_rows(peers) -> list[Row]:
@@ -121,39 +161,77 @@ def peer_rows(peers) -> list[Row]:
         if peer.generate is None:
             continue
 
-        def run(prompt, peer=peer):
-            made, seconds = time_peer(peer, prompt, run.max_new)
-            return None, made, seconds
+        def run(prompt, max_new, sampling, peer=peer):
+            if sampling.top_k or sampling.top_p < 1.0:
+                raise ValueError("the peers sample with top-k and top-p off: pass a temperature alone")
+            made, seconds = time_peer(peer, prompt, max_new, sampling.temperature, sampling.seed)
+            return RowRun(None, made, seconds)
 
         rows.append(Row(peer.name, run, peer=True, detail=peer.note))
     return rows
 
 
+def prompt_sampling(sampling: SamplingParams, number: int) -> SamplingParams:
+    """What every row samples prompt `number` of the run with: greedy as given; else seeded with
+    seed + number (module docstring)."""
+    if sampling.greedy:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed or 0) + number)
+
+
+def cost_split(stats: Sequence[RequestStats]) -> dict:
+    """Medians over requests: tau, draft / verify / host ms per verify round and prefill ms. Requests
+    that ended at prefill (no verify round) count for prefill only."""
+    stepped = [s for s in stats if s.rounds]
+
+    def median(values) -> float | None:
+        values = list(values)
+        return statistics.median(values) if values else None
+
+    def per_round_ms(seconds_of) -> float | None:
+        value = median(seconds_of(s) / s.rounds for s in stepped)
+        return None if value is None else value * 1000.0
+
+    prefill = median(s.prefill_seconds for s in stats)
+    return {"tau": median(s.tau for s in stepped),
+            "draft_ms_per_round": per_round_ms(lambda s: s.draft_seconds),
+            "verify_ms_per_round": per_round_ms(lambda s: s.verify_seconds),
+            "host_ms_per_round": per_round_ms(lambda s: s.host_seconds),
+            "prefill_ms": None if prefill is None else prefill * 1000.0,
+            "rounds": median(s.rounds for s in stats)}
+
+
 def run_table(rows: Sequence[Row], prompt_sets: dict[str, list[list[int]]], max_new: int,
-              progress: Callable[[str], None] | None = None) -> dict:
+              sampling: SamplingParams = GREEDY, progress: Callable[[str], None] | None = None) -> dict:
     """Time every row on every prompt of every set, interleaved; the report dict (module docstring)."""
-    for row in rows:
-        if row.peer:
-            row.run.max_new = max_new  # type: ignore[attr-defined]
     first = next(iter(prompt_sets.values()))[0]
     for row in rows:  # warm-up: first-call allocations and lazy inits out of the timing
-        row.run(first[:16])
+        row.run(first[:16], max_new, prompt_sampling(sampling, 0))
     tallies = {name: {row.label: _Tally() for row in rows} for name in prompt_sets}
+    number = 0
     for name, prompts in prompt_sets.items():
         for i, prompt in enumerate(prompts):
             if progress:
                 progress(f"{name}: prompt {i + 1}/{len(prompts)}")
+            params = prompt_sampling(sampling, number)
+            number += 1
             for row in rows if i % 2 == 0 else list(reversed(rows)):
-                tokens, made, seconds = row.run(prompt)
+                done = row.run(prompt, max_new, params)
                 tally = tallies[name][row.label]
-                tally.rates.append(made / seconds if seconds > 0 else 0.0)
-                tally.tokens.append(tokens)
+                tally.rates.append(done.new_tokens / done.seconds if done.seconds > 0 else 0.0)
+                tally.tokens.append(done.tokens)
+                if done.stats is not None:
+                    tally.stats.append(done.stats)
+                if done.arm_rounds:
+                    tally.arm_rounds.update(done.arm_rounds)
                 if row.note is not None and row.note():
                     tally.slower += 1
     labels = [row.label for row in rows]
     reference = REFERENCE_PEER if REFERENCE_PEER in labels else next(
         (r.label for r in rows if not r.peer and r.plain is None), labels[0])
     report: dict = {"reference": reference, "max_new_tokens": max_new,
+                    "sampling": {"temperature": sampling.temperature,
+                                 "seed": None if sampling.greedy else (sampling.seed or 0)},
                     "sets": {name: {"prompts": len(p)} for name, p in prompt_sets.items()}, "rows": {}}
     for row in rows:
         entry: dict = {"peer": row.peer, "detail": row.detail, "sets": {}}
@@ -169,6 +247,10 @@ def run_table(rows: Sequence[Row], prompt_sets: dict[str, list[list[int]]], max_
                 cell["of"] = len(plain)
             if row.note is not None:
                 cell["slower"] = tally.slower
+            if tally.stats:
+                cell["cost"] = cost_split(tally.stats)
+            if tally.arm_rounds:
+                cell["arm_rounds"] = dict(tally.arm_rounds)
             entry["sets"][name] = cell
         report["rows"][row.label] = entry
     return report
@@ -177,13 +259,24 @@ def run_table(rows: Sequence[Row], prompt_sets: dict[str, list[list[int]]], max_
 SET_TITLES = {"mtbench": "MT-bench", "code": "code (HumanEval)"}
 
 
+def sampling_words(report: dict) -> str:
+    """How the run sampled, for titles: "greedy" or the temperature and seeds."""
+    sampling = report.get("sampling") or {}
+    temperature = sampling.get("temperature", 0.0)
+    if not temperature:
+        return "greedy"
+    return (f"sampled at temperature {temperature:g} (no top-k / top-p), prompt n with seed "
+            f"{sampling.get('seed') or 0} + n in every row")
+
+
 def render(report: dict) -> str:
     sets = list(report["sets"])
     ref = report["reference"]
+    sampled = bool((report.get("sampling") or {}).get("temperature"))
     head = "| configuration |" + "".join(f" {SET_TITLES.get(s, s)} tok/s (median) | vs {ref} |" for s in sets)
-    head += " greedy identical to plain |"
+    head += " same text as plain (same seed) |" if sampled else " greedy identical to plain |"
     lines = [" / ".join(f"{SET_TITLES.get(s, s)}: {report['sets'][s]['prompts']} prompts" for s in sets)
-             + f", {report['max_new_tokens']} new tokens, batch 1, greedy, one interleaved run"
+             + f", {report['max_new_tokens']} new tokens, batch 1, {sampling_words(report)}, one interleaved run"
              + (f", {report['threads']} threads" if report.get("threads") else ""), "",
              head, "|---|" + "---|---|" * len(sets) + "---|"]
     notes = []
@@ -205,7 +298,49 @@ def render(report: dict) -> str:
             notes.append(f"- {label}: {entry['detail']}")
     for name, note in report.get("missing_peers", {}).items():
         notes.append(f"- {name}: {note} (not run)")
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    if sampled:
+        temperature = report["sampling"]["temperature"]
+        notes.append(f"- the peers sample at temperature {temperature:g} with their own random generators: their "
+                     "texts are their own samples, not compared with specrt's")
+        notes.append("- a seeded request runs one way of drafting throughout (auto: its drafter, else the copies; "
+                     "a named drafter: alone, no probes), so there are no slower-than-auto counts")
+    return "\n".join(lines + ([""] + notes if notes else []) + render_costs(report)) + "\n"
+
+
+def render_costs(report: dict) -> list[str]:
+    """The "where the time goes" table: one line per specrt row and set (module docstring)."""
+    lines = ["", f"### where the time goes ({sampling_words(report)})", "",
+             "Medians over each set's prompts; ms per verify round of the target. A round costs draft + verify + "
+             "host; tok/s (prefill included) is about tau / round time. Arms: rounds of each way of drafting "
+             "(`--drafter auto` and the named choices' probes; a request's last round is not counted).", "",
+             "| configuration | set | tau | draft ms/round | verify ms/round | host ms/round | prefill ms | tok/s "
+             "| arms (share of rounds) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = 0
+    for label, entry in report["rows"].items():
+        for s, c in entry["sets"].items():
+            cost = c.get("cost")
+            if cost is None:
+                continue
+            rows += 1
+            cells = [_number(cost["tau"], 2)] + [_number(cost[k], 1) for k in (
+                "draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round", "prefill_ms")]
+            lines.append(f"| {label} | {SET_TITLES.get(s, s)} | " + " | ".join(cells)
+                         + f" | {c['median_tok_s']:.1f} | {_arm_shares(c.get('arm_rounds'))} |")
+    return lines if rows else []
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _arm_shares(rounds: dict[str, int] | None) -> str:
+    total = sum((rounds or {}).values())
+    if not total:
+        return "-"
+    named = {arm: arm.replace("+lookup", " + copies").replace("lookup", "copies") for arm in rounds}
+    return ", ".join(f"{named[arm]} {100.0 * n / total:.0f}%"
+                     for arm, n in sorted(rounds.items(), key=lambda kv: -kv[1]))
 
 
 def plot(report: dict, path: Path) -> None:

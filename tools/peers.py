@@ -2,7 +2,9 @@
 own torch backend (plain decoding; so the ORT backend is compared with it in the same run).
 
 Each peer gets the same model weights, the same prompt token ids, the same thread count and the same
-greedy max-new-tokens, and is timed the way specrt is (prefill + decode of one request, batch 1):
+max-new-tokens, and is timed the way specrt is (prefill + decode of one request, batch 1). Greedy at
+temperature 0; at a temperature > 0 each samples from the whole distribution with its own random
+generator, seeded with the number given (`generate(prompt, max_new, temperature, seed)`):
 
 - llama.cpp (`llama-cpp-python`) on the same GGUF file specrt loads (the embedded default is Q4_1:
   llama.cpp computes on the 4-bit weights, specrt on the dequantized fp32 ones);
@@ -10,6 +12,11 @@ greedy max-new-tokens, and is timed the way specrt is (prefill + decode of one r
   same weights, int4 (RTN, block 32; `ort-genai`) and fp32 (`ort-genai-fp32`). The builder reads a Hugging Face folder, so the
   target is first written as one (`write_hf_folder`: config.json, model.safetensors, tokenizer).
   Built models are cached under ~/.cache/specrt/peers/<target name>/.
+
+Sampling settings: onnxruntime-genai `do_sample` with top_k 0 and top_p 1 (top_k 0 sends it down its
+nucleus path, which at p = 1 keeps every token; its config's default top_k is 50, so both are set) and
+`random_seed`; llama.cpp temp T with top_k 0, top_p 1, min_p 0, typical_p 1 (each filter off) and
+`set_seed` before the request (its sampler chain is built per `generate` call from that seed).
 
 A peer that is not installed is reported as missing with the pip command that installs it; the
 bench goes on with the rest.
@@ -33,7 +40,8 @@ INSTALL = {"llama.cpp": "pip install llama-cpp-python", "ort-genai": "pip instal
 @dataclass
 class PeerRun:
     name: str
-    generate: Callable[[Sequence[int], int], int] | None  # (prompt ids, max new tokens) -> new tokens made
+    # (prompt ids, max new tokens, temperature, seed or None) -> new tokens made
+    generate: Callable[[Sequence[int], int, float, int | None], int] | None
     note: str = ""
 
 
@@ -109,9 +117,14 @@ def genai_peer(loaded_target, precision: str, threads: int, progress=print) -> P
         return PeerRun(name, None, str(err))
     model = og.Model(str(folder))
 
-    def generate(prompt: Sequence[int], max_new: int) -> int:
+    def generate(prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int | None = None) -> int:
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(prompt) + max_new, batch_size=1)
+        search = {"do_sample": False}
+        if temperature > 0:  # the whole distribution (module docstring)
+            search = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": temperature}
+            if seed is not None:
+                search["random_seed"] = seed
+        params.set_search_options(max_length=len(prompt) + max_new, batch_size=1, **search)
         generator = og.Generator(model, params)
         generator.append_tokens(list(prompt))
         made = 0
@@ -135,10 +148,16 @@ def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
                           n_batch=512, verbose=False, logits_all=False)
     eos = {llm.token_eos()}
 
-    def generate(prompt: Sequence[int], max_new: int) -> int:
+    def generate(prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int | None = None) -> int:
         llm.reset()
+        if temperature > 0:
+            llm.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF)
+            tokens = llm.generate(list(prompt), temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+                                  reset=True)
+        else:
+            tokens = llm.generate(list(prompt), temp=0.0, top_k=1, reset=True)
         made = 0
-        for token in llm.generate(list(prompt), temp=0.0, top_k=1, reset=True):
+        for token in tokens:
             if token in eos:
                 break
             made += 1
@@ -151,7 +170,7 @@ def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
 
 
 def torch_peer(loaded_target, threads: int) -> PeerRun:
-    """specrt's torch backend, plain greedy decoding on the same fp32 weights."""
+    """specrt's torch backend, plain decoding on the same fp32 weights (seeded sampling at a temperature)."""
     import torch
 
     from specrt.runtime.backends.torch_backend import TorchTargetEngine
@@ -161,12 +180,13 @@ def torch_peer(loaded_target, threads: int) -> PeerRun:
     model = loaded_target.model
     engines: dict[int, TorchTargetEngine] = {}
 
-    def generate(prompt: Sequence[int], max_new: int) -> int:
+    def generate(prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int | None = None) -> int:
         torch.set_num_threads(threads)
         need = len(prompt) + max_new + 8
         engine = engines.get(need) or engines.setdefault(need, TorchTargetEngine(model, need))
         model.set_taps(())
-        result = generate_autoregressive(engine, [list(prompt)], max_new, SamplingParams(0.0),
+        sampling = SamplingParams(temperature, seed=seed if temperature > 0 else None)
+        result = generate_autoregressive(engine, [list(prompt)], max_new, sampling,
                                          model.config.eos_token_ids)
         return result.stats[0].new_tokens
 
@@ -190,7 +210,8 @@ def make_peers(names: Sequence[str], loaded_target, threads: int, context: int, 
     return runs
 
 
-def time_peer(run: PeerRun, prompt: Sequence[int], max_new: int) -> tuple[int, float]:
+def time_peer(run: PeerRun, prompt: Sequence[int], max_new: int, temperature: float = 0.0,
+              seed: int | None = None) -> tuple[int, float]:
     start = time.perf_counter()
-    made = run.generate(prompt, max_new)
+    made = run.generate(prompt, max_new, temperature, seed)
     return made, time.perf_counter() - start
