@@ -108,6 +108,9 @@ class AutoProposer:
         if drafter is not None and hasattr(drafter, "observe_copies"):
             # one copy index for both arms, fed once per round (same settings: one DraftOptions)
             drafter.lookup = copies.lookup
+        if drafter is not None and hasattr(copies, "step_cost") and "step_cost" in vars(drafter):
+            # one step cost line for both arms: every round's verify time, whoever drafted it
+            drafter.step_cost = copies.step_cost
         self.arms = (COPIES, DRAFTER, PLAIN) if drafter is not None else (COPIES, PLAIN)
         if pinned is not None and pinned not in self.arms:
             raise ValueError(f"pinned arm {pinned!r} is not one of {self.arms}")

@@ -51,6 +51,7 @@ survival beats the drafter chain's, else the drafter's (`graft_chain`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -69,6 +70,7 @@ from specrt.runtime.sampling import SamplingParams
 
 from specrt.runtime.proposers.datastore import store_key
 from specrt.runtime.proposers.step_cost import StepCost, best_length
+from specrt.runtime.proposers.verify_length import VerifyLength, conditionals, sized
 
 if TYPE_CHECKING:
     from specrt.runtime.proposers.datastore import NgramDatastore
@@ -336,6 +338,11 @@ class WithLookup:
         # a chain-only graft replaces the inner chain, so it is never longer than the longer of the two
         self.max_drafts = (max(inner.max_drafts, self.lookup.max_tokens) if chain_only
                            else inner.max_drafts + self.lookup.max_tokens)
+        # greedy rounds at batch 1 are sized by measured costs (`verify_length.py`); cost_cut False
+        # keeps the threshold rules alone (the benchmark toggles it to compare)
+        self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
+        self.sizing = VerifyLength()
+        self.cost_cut = True
 
     # the serving batcher reads and sets the confidence threshold of the drafter it drives
     @property
@@ -363,12 +370,25 @@ class WithLookup:
     def reset(self, batch_size: int, capacity: int) -> None:
         self.inner.reset(batch_size, capacity)
         self.lookup.reset(batch_size)
+        self.sizing.forget()
 
     def reset_row(self, row: int) -> None:
         from specrt.runtime.serving.rows import reset_proposer_row
 
         reset_proposer_row(self.inner, row)
         self.lookup.reset_row(row)
+
+    def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
+        self.step_cost.observe(batch, positions, seconds)
+
+    def drafter_pays(self) -> bool | None:
+        """Whether a drafter round is expected to give more tokens per second than a plain step at
+        today's measured costs (None while too little is measured; `verify_length.py`)."""
+        cost = self.step_cost.line(self.batch_size)
+        rate = None if cost is None else self.sizing.drafter_rate(cost)
+        if rate is None:
+            return None
+        return rate > best_length([], cost, self.lookup.free_first)[1]
 
     def prefix_view(self, hi: int) -> "WithLookup":
         """Rows 0..hi-1 (serving): the inner proposer's view over the same lookup state."""
@@ -400,6 +420,11 @@ class WithLookup:
         return [copy_proposal(self.lookup.chain(b)) for b in rows]
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        # measured costs size greedy rounds at batch 1; a sampled request's drafts must not depend on timing
+        cost = self.step_cost.line(1) if (self.cost_cut and sampling.greedy and self.batch_size == 1
+                                          and list(rows) == [0]) else None
+        if cost is not None:
+            return [self._sized_round(anchors[0], sampling, generator, cost)]
         chains = {b: self.lookup.chain(b) for b in rows}
         # this step's copies, per row: the serving gate compares the drafter against them alone
         # (one dict shared with prefix views, so every sampling group's call lands in it)
@@ -423,6 +448,40 @@ class WithLookup:
             else:
                 out.append(graft_tree(inner[b], c))
         return out
+
+    def _sized_round(self, anchor: int, sampling: SamplingParams, generator, cost: tuple[float, float]) -> Proposal:
+        """Row 0's round at the size with the most expected tokens per second (`verify_length.py`):
+        the copies alone when the drafter is not expected to pay, else the drafter's drafts (and the
+        copies: one chain or a grafted tree) cut by the drafter's calibrated survivals."""
+        lookup, sizing, free_first = self.lookup, self.sizing, self.lookup.free_first
+        history = lookup.index[0].tokens
+        sizing.score(0, history)
+        copy = lookup.chain(0, cost)  # sized for a round without the drafter
+        self.last_chains[0] = copy
+        alone_rate = best_length(copy.survival, cost, free_first)[1]
+        confident = bool(copy.survival) and copy.survival[0] >= self.alone_above
+        if confident or sizing.should_skip(cost, alone_rate):
+            return copy_proposal(copy)
+        start = time.perf_counter()
+        p = self.inner.propose([0], [anchor], sampling, generator)[0]
+        sizing.observe_draft(time.perf_counter() - start)
+        conds = conditionals(p)
+        sizing.remember(0, history, p, conds)
+        survival = sizing.record.survival(p.parents.tolist(), conds)
+        with_draft = sizing.with_draft(cost)
+        own, rate, expected = sized(p, survival, with_draft, free_first)
+        sizing.observe_round(expected, 1 + len(own))
+        if self.chain_only:
+            # the copy replaces the drafter's chain where it expects more tokens per second
+            for c in lookup.candidates[0]:
+                keep, copy_rate = best_length(c.survival, with_draft, free_first)
+                if keep and copy_rate > rate:
+                    own, rate = copy_proposal(LookupChain(c.tokens[:keep], c.match, c.survival[:keep])), copy_rate
+            return own
+        # engines exact on trees: the copy (sized with the drafter's cost in) grafted on, the tree cut whole
+        p = Proposal(p.tokens, p.parents, p.draft_probs, p.is_chain, p.depth, torch.tensor(survival, dtype=torch.float32))
+        tree = graft_tree(p, lookup.chain(0, with_draft))
+        return sized(tree, tree.survival.tolist(), with_draft, free_first)[0]
 
 
 def copy_proposal(chain: LookupChain) -> Proposal:

@@ -1,0 +1,234 @@
+"""How many drafts a drafter round verifies: the chain length or tree size with the most expected
+tokens per second on this engine, from measured costs and calibrated survival estimates.
+
+Why. On a CPU every verified row costs. int4 SmolLM2-135M on 2 threads: a verify forward of T tokens costs 6.7 ms at T=1, 7.4 at 2, 12.5 at 4, 17.4 at
+8, 29.8 at 16, so past the second row each row costs ~1.5 ms and verifying a 15-draft block costs
+4.5 plain steps while ~2 of its drafts land. A drafter's chain or block verified whole (confidence
+threshold 0 by default) pays for rows that do not pay back.
+
+The rule (DSpark's Algorithm 1 for one request). With the step cost line cost(T) = c0 + c1 T
+(`step_cost.StepCost`, fitted to the loop's own verify steps), the drafter's own cost d per round
+(the measured time of its `propose`, a decayed mean) and survival estimates s_i = P(draft i and all
+its ancestors are accepted), a round verifying the drafts in a set S emits 1 + sum_S s_i tokens in
+expectation and costs d + cost(1 + |S|). Chains: the prefix length L maximising that ratio
+(`step_cost.best_length`). Trees: nodes are taken in order of highest survival among the children
+of nodes already taken (`tree_order`: a subtree closed under parents at every size; survival never
+grows along a path, so it is also the best subtree of its size), and the size is chosen by the same
+ratio. d is spent before the cut, but it still belongs to the round's cost: the larger it is, the
+more rows a round may verify before an extra row lowers its tokens per second.
+
+Where survival comes from (`DraftRecord`). Copies: the lookup's `HitRecord` (per match length and
+depth, calibrated by lookup.json). Drafters: their own confidence, calibrated online. Each draft's
+conditional confidence q_i = s_i / s_parent is read off `Proposal.survival` (DSpark: its confidence
+head; DFlash: the top probability of each block position; EAGLE-3: the path probability), and per
+(depth group, confidence bin) the record keeps decayed sums of hits (the draft matched what the
+target emitted, given its parent did) and of q over the same trials; the calibrated conditional
+rate is q * (hits + w) / (sum q + w). Without data it is q itself (the drafter's own claim); with
+data it is the cell's measured rate, still ranking drafts within a cell by their own confidence.
+Why not the raw confidence: the drafters are trained against another target or another weight
+format (int4 rounding), and a confidence head calibrated offline drifts; why not per-depth rates
+alone: they give every step the same length, while the confidence tells a step that will land from
+one that will not. MEASURED. A proposal without survival estimates gets q = .5:
+its rates are then the per-depth acceptance rates.
+
+Skipping the drafter. Before drafting, the round a drafter is expected to give (decayed means of
+its past rounds' expected tokens and verified rows, at today's cost and d) is compared with what
+this step gets without it: the copies alone at their best length, or a plain step. When the
+drafter is expected to be slower, the round verifies the copies alone (no drafter forward, as a
+confident copy already does); every `REASK`-th such round asks the drafter anyway, so its estimates
+follow the text. `drafter_pays()` says whether the drafter's expected round beats a plain step:
+`--drafter auto` measures its arms itself, and a drafter arm that skips its drafter costs what the
+copies arm does.
+
+Lossless. Every choice here reads the committed history, past records, past step times and the
+drafter's own output, never this step's target output, and the target verifies whatever is left:
+greedy output is the target's. Timing-dependent cuts are made only for greedy drafting (the
+caller's rule, as for the copies): a sampled request's drafts must not depend on the clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from typing import Sequence
+
+import torch
+
+from specrt.runtime.proposers.base import Proposal, _depth
+from specrt.runtime.proposers.step_cost import best_length
+
+DEPTH_GROUPS = 4  # depths 1, 2, 3 and 4+ are calibrated apart
+CONFIDENCE_EDGES = (0.3, 0.7)  # the drafter's conditional confidence: low, middle, high
+MAX_RATE = 0.999  # a calibrated conditional rate stays below 1: survival strictly falls along a path
+UNKNOWN_CONFIDENCE = 0.5  # a proposal without survival estimates: its record is per depth only
+REASK = 8  # a drafter expected to be slower is still asked every REASK-th round
+
+
+class DraftRecord:
+    """A drafter's confidence against what the target accepted (module docstring: the calibration)."""
+
+    def __init__(self, weight: float = 4.0, decay: float = 0.98) -> None:
+        self.weight, self.decay = float(weight), float(decay)
+        self.hits: dict[tuple[int, int], float] = {}
+        self.expected: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def cell(depth: int, q: float) -> tuple[int, int]:
+        return min(depth, DEPTH_GROUPS), bisect_right(CONFIDENCE_EDGES, q)
+
+    def rate(self, depth: int, q: float) -> float:
+        """P(a draft at `depth` with conditional confidence q is right | its parent is)."""
+        key = self.cell(depth, q)
+        hits, expected = self.hits.get(key, 0.0), self.expected.get(key, 0.0)
+        return min(q * (hits + self.weight) / (expected + self.weight), MAX_RATE)
+
+    def survival(self, parents: Sequence[int], conditionals: Sequence[float]) -> list[float]:
+        out: list[float] = []
+        depths: list[int] = []
+        for par, q in zip(parents, conditionals):
+            depths.append(1 if par < 0 else depths[par] + 1)
+            out.append((1.0 if par < 0 else out[par]) * self.rate(depths[-1], q))
+        return out
+
+    def record(self, tokens: Sequence[int], parents: Sequence[int], conditionals: Sequence[float],
+               truth: Sequence[int]) -> None:
+        """Score every draft whose parent matched `truth` (the tokens the target emitted after the anchor)."""
+        on_path: list[bool] = []
+        depths: list[int] = []
+        for tok, par, q in zip(tokens, parents, conditionals):
+            depths.append(1 if par < 0 else depths[par] + 1)
+            d = depths[-1]
+            if (par >= 0 and not on_path[par]) or d > len(truth):
+                on_path.append(False)
+                continue
+            hit = int(tok) == int(truth[d - 1])
+            key = self.cell(d, q)
+            self.hits[key] = self.hits.get(key, 0.0) * self.decay + hit
+            self.expected[key] = self.expected.get(key, 0.0) * self.decay + q
+            on_path.append(hit)
+
+
+def conditionals(p: Proposal) -> list[float]:
+    """Each draft's own confidence given its parent: s_i / s_parent (UNKNOWN_CONFIDENCE without survival)."""
+    if p.survival is None:
+        return [UNKNOWN_CONFIDENCE] * len(p)
+    s = p.survival.tolist()
+    out = []
+    for par, si in zip(p.parents.tolist(), s):
+        above = 1.0 if par < 0 else s[par]
+        out.append(min(max(si / above, 0.0), 1.0) if above > 0 else 0.0)
+    return out
+
+
+def tree_order(survival: Sequence[float], parents: Sequence[int]) -> list[int]:
+    """Node indices, each the highest-survival child of the nodes before it (ties: lowest index):
+    every prefix is a subtree closed under parents."""
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(parents):
+        children.setdefault(int(par), []).append(i)
+    frontier = [(-survival[i], i) for i in children.get(-1, [])]
+    heapq.heapify(frontier)
+    order = []
+    while frontier:
+        _, i = heapq.heappop(frontier)
+        order.append(i)
+        for c in children.get(i, []):
+            heapq.heappush(frontier, (-survival[c], c))
+    return order
+
+
+def subtree(p: Proposal, keep: Sequence[int], survival: Sequence[float] | None = None) -> Proposal:
+    """The nodes `keep` of p (closed under parents), in p's order, with `survival` (default p's)."""
+    keep = sorted(keep)
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents_old = p.parents.tolist()
+    parents = torch.tensor([-1 if parents_old[i] < 0 else new_index[parents_old[i]] for i in keep], dtype=torch.long)
+    index = torch.tensor(keep, dtype=torch.long)
+    probs = None if p.draft_probs is None else p.draft_probs[index]
+    if survival is not None:
+        surv = torch.tensor([survival[i] for i in keep], dtype=torch.float32)
+    else:
+        surv = None if p.survival is None else p.survival[index]
+    is_chain = bool(torch.equal(parents, torch.arange(-1, len(keep) - 1)))
+    return Proposal(p.tokens[index], parents, probs, is_chain, _depth(parents), surv)
+
+
+def sized(p: Proposal, survival: Sequence[float], cost: tuple[float, float],
+          free_first: bool = False) -> tuple[Proposal, float, float]:
+    """p cut to the drafts maximising expected tokens per second under `cost` (c0, c1; the drafter's
+    own cost already in c0), with `survival` as its survival; (proposal, tokens/s, expected tokens)."""
+    if p.is_chain:
+        length, rate = best_length(list(survival), cost, free_first)
+        keep = list(range(length))
+    else:
+        order = tree_order(survival, p.parents.tolist())
+        length, rate = best_length([survival[i] for i in order], cost, free_first)
+        keep = order[:length]
+    expected = 1.0 + sum(survival[i] for i in keep)
+    return subtree(p, keep, survival), rate, expected
+
+
+class VerifyLength:
+    """One proposer's sizing state: the drafter's record and cost, its past rounds, drafts not yet scored."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = float(decay)
+        self.record = DraftRecord()
+        self.draft_seconds: float | None = None  # decayed mean of the drafter's propose time
+        self.round_tokens: float | None = None  # decayed means of the drafter's sized rounds (its own drafts)
+        self.round_rows: float | None = None
+        self.skips = 0  # rounds in a row that skipped the drafter
+        self.pending: dict[int, tuple[object, int, list[int], list[int], list[float]]] = {}
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = self._mean(self.draft_seconds, seconds)
+
+    def observe_round(self, expected_tokens: float, rows: int) -> None:
+        """What the drafter's own drafts were worth this round, at the size they were cut to."""
+        self.round_tokens = self._mean(self.round_tokens, expected_tokens)
+        self.round_rows = self._mean(self.round_rows, float(rows))
+
+    def with_draft(self, cost: tuple[float, float]) -> tuple[float, float]:
+        return cost[0] + (self.draft_seconds or 0.0), cost[1]
+
+    def drafter_rate(self, cost: tuple[float, float]) -> float | None:
+        """Expected tokens per second of a drafter round at today's costs (None before one was seen)."""
+        if self.round_tokens is None or self.draft_seconds is None:
+            return None
+        c0, c1 = self.with_draft(cost)
+        return self.round_tokens / (c0 + c1 * self.round_rows)
+
+    def should_skip(self, cost: tuple[float, float], rate_without: float) -> bool:
+        """True when the drafter is expected to be slower than `rate_without` (asked every REASK-th time)."""
+        rate = self.drafter_rate(cost)
+        if rate is None or rate >= rate_without or self.skips + 1 >= REASK:
+            self.skips = 0
+            return False
+        self.skips += 1
+        return True
+
+    # ---------------------------------------------------------------- scoring past drafts
+    def remember(self, row: int, history: list[int], p: Proposal, conds: list[float]) -> None:
+        """p was drafted after `history` (the row's committed tokens and its anchor, a list that grows)."""
+        self.pending[row] = (history, len(history), p.tokens.tolist(), p.parents.tolist(), conds)
+
+    def score(self, row: int, history: list[int]) -> None:
+        """Score the row's last remembered drafts against what followed them in `history`."""
+        last = self.pending.get(row)
+        if last is None:
+            return
+        hist, start, tokens, parents, conds = last
+        if hist is not history:  # the row started over (a new request on it)
+            del self.pending[row]
+            return
+        if len(history) <= start:  # nothing committed since
+            return
+        del self.pending[row]
+        self.record.record(tokens, parents, conds, history[start:])
+
+    def forget(self) -> None:
+        self.pending.clear()
+        self.skips = 0
