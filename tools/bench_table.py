@@ -22,10 +22,9 @@ the prompts on which it ran slower than what the automatic choice measured (`slo
 Sampling (`run_table(sampling=...)`): greedy by default. At a temperature > 0 prompt n of the run
 (the sets in order, counted from 0) is sampled with seed `sampling.seed + n` (0 + n without one) by
 every row: specrt's seeded sampling makes a text depend only on prompt, settings and seed, whatever
-was drafted (`specrt.runtime.seeded`), so `identical` still holds for every drafter. The peers
+was drafted (`specrt.runtime.seeded`), so `identical` still checks that drafting changed nothing. The peers
 sample at the same temperature with their own random generators (seeded with the same number):
-their texts are their own samples. A seeded request runs one arm of `--drafter auto` throughout
-(`AutoProposer`), so sampled runs have no slower-than-auto counts.
+their texts are their own samples.
 
 Where the time goes (`cost_split`), per specrt row and set, medians over the prompts of the
 `RequestStats` of each request: tau (tokens per verify round, bonus included), drafting, verify and
@@ -302,14 +301,12 @@ def render(report: dict) -> str:
         temperature = report["sampling"]["temperature"]
         notes.append(f"- the peers sample at temperature {temperature:g} with their own random generators: their "
                      "texts are their own samples, not compared with specrt's")
-        notes.append("- a seeded request runs one way of drafting throughout (auto: its drafter, else the copies; "
-                     "a named drafter: alone, no probes), so there are no slower-than-auto counts")
     return "\n".join(lines + ([""] + notes if notes else []) + render_costs(report)) + "\n"
 
 
 def render_costs(report: dict) -> list[str]:
     """The "where the time goes" table: one line per specrt row and set (module docstring)."""
-    lines = ["", f"### where the time goes ({sampling_words(report)})", "",
+    lines = ["", "### where the time goes", "",
              "Medians over each set's prompts; ms per verify round of the target. A round costs draft + verify + "
              "host; tok/s (prefill included) is about tau / round time. Arms: rounds of each way of drafting "
              "(`--drafter auto` and the named choices' probes; a request's last round is not counted).", "",
