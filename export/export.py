@@ -24,12 +24,17 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from specrt.plugins.errors import SpecrtError
 from specrt.export.draft_options import DraftOptions
 
 DRAFTER_KINDS = ("eagle3", "dflash", "dspark", "none")
+BLOCK_KINDS = ("dflash", "dspark")
+# DFlash/DSpark: the block head's logits over this many of the target's most frequent tokens
+# (`block_draft_vocab`); 0 or None here: the full vocabulary. See docs/choosing-a-drafter.md.
+DEFAULT_BLOCK_DRAFT_VOCAB = 0
+DRAFT_VOCAB_FILE = "draft_to_target.npy"
 _DTYPE_FLAGS = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16"}
 NO_DRAFTER_HINT = (
     "pass --drafter-ckpt PATH (an official-format EAGLE-3 / DFlash / DSpark drafter folder: config.json + "
@@ -145,6 +150,54 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def most_frequent_tokens(counts, size: int, always: Sequence[int] = ()):
+    """(ids, coverage): the `size` target ids to keep, ascending: `always` first, then the most frequent
+    tokens of `counts` ([V] occurrences in the target's own text; ties: lower id first, so tokens the
+    text never shows fill up from the lowest ids), and the share of the counted tokens they cover."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    vocab = int(counts.shape[0])
+    if not 1 <= size < vocab:
+        raise SpecrtError(f"a draft vocabulary of {size} tokens does not reduce the target's {vocab}",
+                          f"pass --draft-vocab between 1 and {vocab - 1}, or 0 for the full vocabulary")
+    forced = np.zeros(vocab, dtype=bool)
+    forced[[int(t) for t in always if 0 <= int(t) < vocab]] = True
+    if int(forced.sum()) > size:
+        raise SpecrtError(f"a draft vocabulary of {size} tokens cannot hold the {int(forced.sum())} it must keep",
+                          "pass a larger --draft-vocab")
+    order = np.lexsort((np.arange(vocab), -counts))  # count descending, then id ascending
+    rest = order[~forced[order]][: size - int(forced.sum())]
+    ids = np.sort(np.concatenate([np.flatnonzero(forced), rest])).astype(np.int64)
+    return ids, float(counts[ids].sum() / max(int(counts.sum()), 1))
+
+
+def block_draft_vocab(size: int | None, token_counts, target_name: str, target_cfg):
+    """The reduced vocabulary of a DFlash/DSpark block head: (ids [N] int64 ascending, manifest record),
+    or (None, note) for the full vocabulary.
+
+    size: None -> DEFAULT_BLOCK_DRAFT_VOCAB where the target's token counts exist (else the full
+    vocabulary); 0 -> the full vocabulary; N -> N tokens (the counts must exist).
+    token_counts(target_name, vocab_size) -> (counts [V], what was counted) or None.
+    The target's end-of-sequence ids are always kept: an answer ends with one. The block's MASK token is
+    an input only (its embedding row), never a draft, so it needs no head row."""
+    wanted = DEFAULT_BLOCK_DRAFT_VOCAB if size is None else int(size)
+    if not wanted:
+        return None, "full vocabulary"
+    found = token_counts(target_name, int(target_cfg.vocab_size)) if token_counts is not None else None
+    if found is None:
+        if size is None:
+            return None, "full vocabulary (no token counts of this target's text)"
+        raise SpecrtError(f"--draft-vocab {size} needs token counts of {target_name}'s own text, and none were given",
+                          "pass --draft-vocab-data FOLDER (a data set of its responses built by `specrt train data`), "
+                          "or --draft-vocab 0 for the full vocabulary")
+    counts, source = found
+    ids, coverage = most_frequent_tokens(counts, wanted, target_cfg.eos_token_ids)
+    record = {"file": DRAFT_VOCAB_FILE, "size": int(ids.shape[0]), "meaning": "target id of each draft id",
+              "source": source, "coverage": round(coverage, 4)}
+    return ids, record
+
+
 def export_engine(
     drafter_kind: str,
     target: str | Path | None = None,
@@ -164,6 +217,8 @@ def export_engine(
     draft_options: DraftOptions | None = None,
     extra_files: Callable[[Path, str], str | None] | None = None,
     overwrite: bool = False,
+    draft_vocab: int | None = None,
+    token_counts: Callable[[str, int], tuple | None] | None = None,
 ) -> Path:
     """Export an engine folder; returns its path. `loaded_target` / `drafter_model` skip loading (tests).
 
@@ -172,6 +227,9 @@ def export_engine(
     extra_files(folder, target_name): writes more files into the folder before its manifest is built
     (the CLI passes the copy datastore and hit rates, which the runtime's proposers compute); returns a
     note for the progress line, or None when it wrote nothing.
+    draft_vocab, token_counts: a DFlash/DSpark block head over the target's most frequent tokens only
+    (`block_draft_vocab`: None is the default, 0 the full vocabulary); token_counts(target_name,
+    vocab_size) returns ([V] occurrences in the target's own text, what was counted) or None.
     """
     import torch
 
@@ -188,6 +246,11 @@ def export_engine(
     opset = onnx_ops.check_opset(opset if opset is not None else ox.DEFAULT_OPSET)
     if external_data not in ("auto", "always", "never"):
         raise SpecrtError(f"unknown --external-data {external_data!r}", "use auto, always or never")
+    if draft_vocab and drafter_kind not in BLOCK_KINDS:
+        raise SpecrtError(f"--draft-vocab applies to DFlash/DSpark block heads, not to --drafter {drafter_kind}",
+                          "drop --draft-vocab (an EAGLE-3 checkpoint brings its own draft vocabulary)")
+    if draft_vocab is not None and draft_vocab < 0:
+        raise SpecrtError(f"--draft-vocab must be >= 0, got {draft_vocab}", "pass 0 for the full vocabulary, or N > 0")
     if drafter_kind != "none" and drafter_ckpt is None and drafter_model is None:
         drafter_ckpt = _shipped_drafter(drafter_kind) if target is None else None
         if drafter_ckpt is None:
@@ -235,7 +298,15 @@ def export_engine(
     except OSError as exc:
         raise (_unwritable(exc, out) or exc) from None
     try:
-        specs = ox.graph_specs(model, drafter, torch_dtype)
+        block_vocab = None
+        if drafter_kind in BLOCK_KINDS:
+            with stages.stage("draft vocabulary") as info:
+                block_vocab, vocab_record = block_draft_vocab(draft_vocab, token_counts, loaded_target.name, cfg)
+                info["note"] = vocab_record if block_vocab is None else (
+                    f"{vocab_record['size']} of {cfg.vocab_size} tokens, {vocab_record['coverage']:.1%} of "
+                    f"{vocab_record['source']}")
+        specs = ox.graph_specs(model, drafter, torch_dtype,
+                               None if block_vocab is None else torch.from_numpy(block_vocab))
         exported = []
         for spec in specs:
             with stages.stage(f"graph {spec.name}") as info:
@@ -301,10 +372,15 @@ def export_engine(
                     import numpy as np
 
                     ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size)).cpu().numpy()
-                    np.save(tmp / "draft_to_target.npy", ids.astype(np.int64))
-                    extra["draft_vocab"] = {"file": "draft_to_target.npy", "size": int(ids.shape[0]),
+                    np.save(tmp / DRAFT_VOCAB_FILE, ids.astype(np.int64))
+                    extra["draft_vocab"] = {"file": DRAFT_VOCAB_FILE, "size": int(ids.shape[0]),
                                             "meaning": "target id of each draft id"}
                     extra["num_drafts"] = draft_options.tree_tokens - 1
+                elif block_vocab is not None:
+                    import numpy as np
+
+                    np.save(tmp / DRAFT_VOCAB_FILE, block_vocab)
+                    extra["draft_vocab"] = vocab_record
                 drafter_info = mf.drafter_section(
                     drafter, str(Path(drafter_ckpt).resolve()) if drafter_ckpt else None, cfg, roles, extra
                 )

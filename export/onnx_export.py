@@ -214,43 +214,65 @@ def _head_is_embedding(d: DFlashDrafter) -> bool:
             and head.data_ptr() == embed.data_ptr())
 
 
-def _lm_logits(d: DFlashDrafter, hidden, tied: bool):
-    head = d.target_embed_weight if tied else d.target_lm_head_weight
-    return linear_2d(hidden.to(head.dtype), head).float()
+class BlockHead(nn.Module):
+    """The target's LM head as a block graph computes it: over every target token, or over the rows
+    of a reduced draft vocabulary (`token_ids` [N], target ids): the [N, H] rows are stored as their
+    own weight, so the per-call cost is N / V of the full head's."""
+
+    def __init__(self, drafter: DFlashDrafter, token_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.tied = _head_is_embedding(drafter)
+        self.register_buffer("rows", None if token_ids is None else drafter.target_lm_head_weight[token_ids].clone())
+
+    def forward(self, hidden):
+        d = self.drafter
+        head = self.rows if self.rows is not None else d.target_embed_weight if self.tied else d.target_lm_head_weight
+        return linear_2d(hidden.to(head.dtype), head).float()
 
 
 class DFlashBlockGraph(nn.Module):
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: DFlashDrafter, token_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.drafter = drafter
-        self.tied = _head_is_embedding(drafter)
+        self.head = BlockHead(drafter, token_ids)
 
     def forward(self, block_ids, position_ids, past_mask, *caches):
         hidden = _block_backbone(self.drafter, block_ids, position_ids, past_mask, caches)
-        return _lm_logits(self.drafter, hidden, self.tied), hidden
+        return self.head(hidden), hidden
 
 
 class DSparkBlockGraph(nn.Module):
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    """With a reduced draft vocabulary (`token_ids`) the base logits, W2's rows, the Gumbel noise and
+    markov_logits cover those N tokens; the drafted index is mapped to its target id in the graph,
+    because W1 (the next step's Markov input and the confidence head's) is indexed by target ids.
+    `tokens` are target ids either way."""
+
+    def __init__(self, drafter: DSparkDrafter, token_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.num_layers = drafter.config.num_layers
-        self.tied = _head_is_embedding(drafter)
+        self.head = BlockHead(drafter, token_ids)
+        reduced = token_ids is not None
+        self.register_buffer("markov_rows", drafter.markov_w2.weight[token_ids].clone() if reduced else None)
+        self.register_buffer("token_ids", token_ids.clone() if reduced else None)
 
     def forward(self, block_ids, position_ids, past_mask, *rest):
         d = self.drafter
         n = 2 * self.num_layers
         caches, (temperature, gumbel, threshold, sps) = rest[:n], rest[n:]
         hidden = _block_backbone(d, block_ids, position_ids, past_mask, caches)
-        base = _lm_logits(d, hidden, self.tied)  # [B, gamma, V] float32
+        base = self.head(hidden)  # [B, gamma, V or N] float32
         prev = block_ids[:, 0]
         state = None
         tokens, logits, confs = [], [], []
         for k in range(block_ids.shape[1]):
-            step_logits, state = d.markov_head.step(base[:, k], prev, hidden[:, k], state)
+            step_logits, state = d.markov_head.step(base[:, k], prev, hidden[:, k], state, self.markov_rows)
             confs.append(d.confidence(hidden[:, k], prev))
             # Gumbel-max: greedy at temperature 0, an exact softmax(l / T) sample otherwise
             token = torch.argmax(step_logits + temperature[:, None] * gumbel[:, k], dim=-1)
+            if self.token_ids is not None:
+                token = self.token_ids[token]  # draft index -> target id
             tokens.append(token)
             logits.append(step_logits)
             prev = token
@@ -323,7 +345,9 @@ def target_spec(model: LlamaModel, dtype: torch.dtype) -> GraphSpec:
                      inputs, outputs)
 
 
-def drafter_specs(drafter, dtype: torch.dtype) -> list[GraphSpec]:
+def drafter_specs(drafter, dtype: torch.dtype, draft_vocab: torch.Tensor | None = None) -> list[GraphSpec]:
+    """The drafter's graphs; draft_vocab: a DFlash/DSpark block head over these target ids only
+    (sorted, unique; see `BlockHead`), None for the full vocabulary."""
     c = drafter.config
     if isinstance(drafter, Eagle3Drafter):
         kv = [1, "batch", c.num_kv_heads, "seq", c.head_dim]
@@ -344,6 +368,11 @@ def drafter_specs(drafter, dtype: torch.dtype) -> list[GraphSpec]:
                  ("new_keys", kv), ("new_values", kv)],
             ),
         ]
+    if isinstance(drafter, Eagle3Drafter) or draft_vocab is None:
+        vocab = c.vocab_size
+    else:
+        draft_vocab = check_draft_vocab(draft_vocab, c.vocab_size)
+        vocab = int(draft_vocab.shape[0])
     kind = "dspark" if isinstance(drafter, DSparkDrafter) else "dflash"
     kv = [c.num_layers, "batch", c.num_kv_heads, "seq", c.head_dim]
     ingest = GraphSpec(
@@ -356,25 +385,25 @@ def drafter_specs(drafter, dtype: torch.dtype) -> list[GraphSpec]:
     if kind == "dflash":
         block = GraphSpec(
             "dflash_block", "DFlash block: [anchor, MASK...] -> logits of every block position",
-            DFlashBlockGraph(drafter),
+            DFlashBlockGraph(drafter, draft_vocab),
             [("block_ids", torch.long, ["batch", "block"]), ("position_ids", torch.long, ["batch", "block"]),
              ("past_mask", torch.bool, ["batch", "block", "past"])] + caches,
-            [("logits", ["batch", "block", c.vocab_size]), ("hidden", ["batch", "block", c.hidden_size])],
+            [("logits", ["batch", "block", vocab]), ("hidden", ["batch", "block", c.hidden_size])],
             example_sizes={"block": c.block_size},
         )
         return [ingest, block]
     gamma = c.block_size
     block = GraphSpec(
         "dspark_block", "DSpark block: backbone, Markov chain, confidence, ConfidenceTruncate",
-        DSparkBlockGraph(drafter),
+        DSparkBlockGraph(drafter, draft_vocab),
         [("block_ids", torch.long, ["batch", gamma]), ("position_ids", torch.long, ["batch", gamma]),
          ("past_mask", torch.bool, ["batch", gamma, "past"])] + caches + [
             ("temperature", torch.float32, ["batch"]),
-            ("gumbel", torch.float32, ["batch", gamma, c.vocab_size]),
+            ("gumbel", torch.float32, ["batch", gamma, vocab]),
             ("threshold", torch.float32, []),
             ("sps", torch.float32, ["sps_len"]),
         ],
-        [("tokens", ["batch", gamma]), ("markov_logits", ["batch", gamma, c.vocab_size]),
+        [("tokens", ["batch", gamma]), ("markov_logits", ["batch", gamma, vocab]),
          ("conf_logits", ["batch", gamma]), ("survival", ["batch", gamma]), ("draft_length", ["batch"])],
     )
     return [ingest, block]
@@ -513,8 +542,10 @@ def validate_graph(path: Path) -> None:
         raise RuntimeError(f"{path.name} uses ops a plain ONNX runtime cannot run: {'; '.join(problems)}")
 
 
-def graph_specs(target: LlamaModel, drafter=None, dtype: torch.dtype = torch.float32) -> list[GraphSpec]:
-    """The target graph (with the drafter's taps) and the drafter's graphs, ready to export."""
+def graph_specs(target: LlamaModel, drafter=None, dtype: torch.dtype = torch.float32,
+                draft_vocab: torch.Tensor | None = None) -> list[GraphSpec]:
+    """The target graph (with the drafter's taps) and the drafter's graphs, ready to export
+    (draft_vocab: a DFlash/DSpark block head over these target ids, see `drafter_specs`)."""
     if drafter is not None:
         target.set_taps(drafter.config.tap_layers)
         if isinstance(drafter, Eagle3Drafter):
@@ -526,8 +557,21 @@ def graph_specs(target: LlamaModel, drafter=None, dtype: torch.dtype = torch.flo
         target.set_taps(())
     specs = [target_spec(target, dtype)]
     if drafter is not None:
-        specs += drafter_specs(drafter, dtype)
+        specs += drafter_specs(drafter, dtype, draft_vocab)
     return specs
+
+
+def check_draft_vocab(token_ids, vocab_size: int) -> torch.Tensor:
+    """A block drafter's reduced vocabulary as int64 target ids: 1-D, ascending, unique, in range."""
+    ids = torch.as_tensor(token_ids)
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1 or ids.numel() < 1:
+        raise SpecrtError(f"a draft vocabulary must be a 1-D list of integer target ids, got {ids.dtype} "
+                          f"of shape {tuple(ids.shape)}", "pass the target ids to keep")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any()):
+        raise SpecrtError(f"a draft vocabulary must hold ascending, unique target ids in 0..{vocab_size - 1}",
+                          "sort the ids and drop duplicates and out-of-range ones")
+    return ids
 
 
 def dtype_from_name(name: str) -> torch.dtype:

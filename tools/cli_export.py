@@ -1,13 +1,15 @@
 """`specrt export`: the target and its drafter as ONNX graphs in an engine folder.
 
     specrt export --drafter dspark --drafter-ckpt PATH [--target PATH] [--out engines/NAME]
-                  [--weights fp32|int4|int8|w8a8|gguf] [--dtype fp32|fp16] [--capacity N]
+                  [--weights fp32|int4|int8|w8a8|gguf] [--dtype fp32|fp16] [--capacity N] [--draft-vocab N]
 
 Without --target the embedded default (SmolLM2-135M-Instruct) is exported, with the drafter of
 that kind shipped in the package when there is one; otherwise pass --drafter-ckpt (an
 official-format drafter folder), or `--drafter none` to export only the target. The export itself
-is `specrt.export.export.export_engine`; this module adds the flags and the copy files (datastore
-and calibrated copy hit rates), which are computed by the runtime's copy proposer.
+is `specrt.export.export.export_engine`; this module adds the flags, the copy files (datastore
+and calibrated copy hit rates), which are computed by the runtime's copy proposer, and the token
+counts a reduced DFlash/DSpark draft vocabulary is chosen from (the target's own responses in the
+data sets specrt ships for it, or --draft-vocab-data).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specrt.export.export import _DTYPE_FLAGS, DRAFTER_KINDS
+from specrt.export.export import _DTYPE_FLAGS, DEFAULT_BLOCK_DRAFT_VOCAB, DRAFTER_KINDS
 from specrt.plugins.errors import SpecrtError
 from specrt.tools.draft_flags import add_draft_arguments, resolve_draft_options
 
@@ -38,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
                         help="auto/always: one weights file (weights.data) shared by every graph, each tensor stored once; "
                              "never: each graph keeps its own copy of its weights inside it (single-file graphs)")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="DFlash/DSpark: the block head's logits over the target's N most frequent tokens only "
+                             "(its end-of-sequence ids always kept; drafting costs much less, see "
+                             "docs/choosing-a-drafter.md); 0: the full vocabulary. Default: "
+                             f"{DEFAULT_BLOCK_DRAFT_VOCAB or 'the full vocabulary'}"
+                             + (" where the target's token counts exist" if DEFAULT_BLOCK_DRAFT_VOCAB else ""))
+    parser.add_argument("--draft-vocab-data", nargs="+", default=None, metavar="FOLDER",
+                        help="data sets of the target's own responses (built by `specrt train data`) to count tokens "
+                             "in for --draft-vocab (default: the ones specrt ships for the target, if any)")
     add_draft_arguments(parser.add_argument_group("drafting defaults recorded in the folder (the runtime starts "
                                                   "from them; flags of generate / serve override them)"),
                         max_drafts=True)
@@ -109,6 +120,28 @@ def copy_files_for(folder: Path, target_name: str) -> str | None:
     return f"copy hit rates and datastore from {len(data)} shipped data sets"
 
 
+def token_counts_from(folders: list[str] | None):
+    """token_counts for export_engine: (occurrences of each target token in the responses of `folders`, or
+    of the data sets specrt ships for the target, and their names), or None when there are none."""
+
+    def counts(target_name: str, vocab_size: int):
+        import numpy as np
+
+        from specrt.tools.copy_files import read_data_sets, shipped_data_for
+
+        data = [Path(f) for f in folders] if folders else shipped_data_for(target_name)
+        if not data:
+            return None
+        samples, label = read_data_sets(data)
+        ids = np.fromiter((int(t) for s in samples for t in s["response"]), dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise SpecrtError(f"{label} hold token ids outside the target's vocabulary of {vocab_size}",
+                              "pass --draft-vocab-data with data sets this target generated")
+        return np.bincount(ids, minlength=vocab_size), f"the responses of {label}"
+
+    return counts
+
+
 def run(args: argparse.Namespace) -> int:
     from specrt.export.export import export_engine
 
@@ -123,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         opset=args.opset, capacity=args.capacity, external_data=args.external_data, quiet=args.quiet,
         command=list(sys.argv), quant=quant, drafter_quant=drafter_quant, ort_fused=not args.no_ort_fused,
         draft_options=draft_options, extra_files=None if args.no_lookup_files else copy_files_for,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, draft_vocab=args.draft_vocab, token_counts=token_counts_from(args.draft_vocab_data),
     )
     return 0
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specrt.plugins.errors import SpecrtError
@@ -110,16 +111,19 @@ class MarkovHead(nn.Module):
         prev_tokens: torch.Tensor,
         hidden: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One position: base_logits [..., V] + bias(prev) -> (logits float32, next state)."""
+        """One position: base_logits [..., V] + bias(prev) -> (logits float32, next state).
+
+        output_rows: W2's rows of a reduced draft vocabulary ([N, r], `markov_w2.weight[ids]`), whose
+        base_logits are [..., N]; prev_tokens stay target ids (W1 is indexed by any target token)."""
         e = self.markov_w1(prev_tokens)
         if self.variant == "vanilla":
-            bias = self.markov_w2(e)
+            x = e
         elif self.variant == "gated":
             if hidden is None:
                 raise SpecrtError("the gated Markov head needs the backbone hidden state", "pass hidden")
-            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1)))
-            bias = self.markov_w2(gate * e)
+            x = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1))) * e
         else:
             if hidden is None:
                 raise SpecrtError("the GRU Markov head needs the backbone hidden state", "pass hidden")
@@ -128,7 +132,8 @@ class MarkovHead(nn.Module):
             a, c, o = self.joint_proj(torch.cat([state, e, hidden.to(e.dtype)], dim=-1)).chunk(3, dim=-1)
             update = torch.sigmoid(a)
             state = update * state + (1.0 - update) * torch.tanh(c)
-            bias = self.markov_w2(torch.tanh(o))
+            x = torch.tanh(o)
+        bias = self.markov_w2(x) if output_rows is None else F.linear(x, output_rows)
         return base_logits.float() + bias.float(), state
 
 

@@ -26,7 +26,7 @@ from specrt.plugins.errors import SpecrtError
 from specrt.export.draft_options import from_manifest
 from specrt.export.manifest import EngineManifest, load_manifest
 from specrt.runtime.backends.ort_decode import BoundTargetCall, attention_rows
-from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel
+from specrt.runtime.backends.ort_models import OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel, read_draft_vocab
 from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 
@@ -45,8 +45,8 @@ class OrtTargetEngine(TorchTargetEngine):
     lean_decode = True
     _bound: BoundTargetCall | None = None
 
-    @torch.inference_mode()
     def forward(self, input_ids, position_ids, new_mask, logit_rows=None):
+        # the bound call runs no torch op that records autograd; the general path is inference_mode
         if self.lean_decode and self.batch_size == 1:
             call = self._bound_call()
             if call is not None:
@@ -245,6 +245,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
         else:
             drafter = OrtBlockDrafter(kind, graph(roles.get("ingest", f"{kind}_ingest")),
                                       graph(roles.get("block", f"{kind}_block")), cfg, cache_dtype,
-                                      section.get("sts_temperatures"))
+                                      section.get("sts_temperatures"),
+                                      read_draft_vocab(folder, section, int(target_cfg.vocab_size)))
     tokenizer = chat_tokenizer_from_folder(folder, list(target_cfg.eos_token_ids))
     return OrtEngines(folder, manifest, target, drafter, kind if drafter is not None else None, tokenizer, options)

@@ -17,6 +17,7 @@ Caches stay torch tensors (on the CPU, or the GPU for the CUDA EP); `OrtGraph` b
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -316,11 +317,71 @@ class OrtEagle3Drafter:
         return torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
 
 
+class DraftVocab:
+    """A block head's reduced vocabulary (`specrt export --draft-vocab N`): draft id i is target id
+    token_ids[i]. Drafted ids map back with `to_target`; a draft law q over the N ids becomes the law
+    over the target's vocabulary it is (`scatter`: zero mass on every other token), which is what
+    lossless verification compares with the target's p."""
+
+    def __init__(self, token_ids: np.ndarray, vocab_size: int) -> None:
+        self.token_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
+        self.vocab_size = int(vocab_size)
+
+    @property
+    def size(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_ids.to(draft_ids.device)[draft_ids]
+
+    def scatter(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [..., N] -> [..., V]."""
+        full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
+        return full.index_copy_(-1, self.token_ids.to(probs.device), probs)
+
+
+def read_draft_vocab(folder: Path, section: dict, vocab_size: int) -> DraftVocab | None:
+    """The block drafter's reduced vocabulary its manifest section names (`draft_vocab`), checked, or
+    None for the full vocabulary. The manifest's checksums already vouch for the bytes; this refuses
+    a file whose content cannot be a vocabulary (another target's, or written by hand)."""
+    record = section.get("draft_vocab")
+    if record is None:
+        return None
+    fix = "re-export the engine folder (specrt export --drafter KIND --draft-vocab N ...)"
+    if not isinstance(record, dict) or not isinstance(record.get("file"), str):
+        raise SpecrtError(f"{folder}/manifest.json: the drafter's draft_vocab entry is malformed", fix)
+    path = Path(folder) / record["file"]
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise SpecrtError(f"{path} cannot be read as a draft vocabulary ({str(err).splitlines()[0][:200]})", fix) from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.size == 0:
+        raise SpecrtError(f"{path} holds {ids.dtype} of shape {ids.shape}, not a list of target ids", fix)
+    if ids.size != record.get("size"):
+        raise SpecrtError(f"{path} has {ids.size} ids, the manifest says {record.get('size')}", fix)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((np.diff(ids) <= 0).any()):
+        raise SpecrtError(f"{path} is not ascending unique target ids in 0..{vocab_size - 1}", fix)
+    return DraftVocab(ids, vocab_size)
+
+
 class OrtBlockDrafter:
-    """{dflash,dspark}_ingest + {dflash,dspark}_block with DFlashDrafter's / DSparkDrafter's contract."""
+    """{dflash,dspark}_ingest + {dflash,dspark}_block with DFlashDrafter's / DSparkDrafter's contract.
+
+    With a reduced draft vocabulary (`draft_vocab`, `specrt export --draft-vocab N`) the block graph's
+    logits cover those N tokens: the DFlash call returns them as they are (the proposer maps what it
+    drafts, `BlockProposer`), the DSpark graph returns target ids and `draft` scatters its law to the
+    full vocabulary.
+
+    Cost of one drafting round before reduced vocabularies (int4 SmolLM2 folders, batch 1, 2 threads,
+    ORT's profiler on the block graph): the LM head over 49152 tokens was ~80% of the DFlash block
+    call (10.5 of 13.3 ms, 16 rows) and ~55% of DSpark's (6.2 of 11.4 ms, 7 rows), whose Markov W2
+    (r -> V, once per position) and the V-wide adds, argmaxes and concats of its chain took another
+    ~2.5 ms; the drafter layers ~1 ms; the ingest call ~1 ms a round; host work in the proposer
+    (argmax / survival over [15, V] logits for DFlash) ~3 ms. All of the V-wide work shrinks by N / V.
+    """
 
     def __init__(self, kind: str, ingest: OrtGraph, block: OrtGraph, config, cache_dtype: torch.dtype,
-                 sts_temperatures: Sequence[float] | None = None) -> None:
+                 sts_temperatures: Sequence[float] | None = None, draft_vocab: DraftVocab | None = None) -> None:
         self.kind = kind
         self.ingest_graph, self.block_graph = ingest, block
         self.config = config
@@ -330,6 +391,19 @@ class OrtBlockDrafter:
         temps = sts_temperatures if sts_temperatures else [1.0] * config.block_size
         self.sts_temperatures = torch.tensor(list(temps), dtype=torch.float32)
         self.cache_feeds = CacheFeeds()
+        self.draft_vocab = draft_vocab
+        # the graph's logits width must be the vocabulary the runtime maps: a folder with a reduced head
+        # loaded without its mapping (or the reverse) would draft wrong tokens
+        self.logits_width = draft_vocab.size if draft_vocab is not None else int(config.vocab_size)
+        name = "markov_logits" if kind == "dspark" else "logits"
+        shape = next((o["shape"] for o in (getattr(block, "spec", None) or {}).get("outputs", [])
+                      if o["name"] == name), None)
+        if shape and isinstance(shape[-1], int) and shape[-1] != self.logits_width:
+            raise SpecrtError(
+                f"the {kind} block graph's {name} cover {shape[-1]} tokens, the runtime expected {self.logits_width} "
+                f"({'a draft vocabulary of that size' if draft_vocab is not None else 'the full vocabulary'})",
+                "load the folder with load_engines (it reads the drafter's draft_vocab), or re-export it",
+            )
 
     @property
     def num_drafts(self) -> int:
@@ -370,7 +444,7 @@ class OrtBlockDrafter:
         runtime owns the random stream and the draws are exact samples of softmax(l / T).
         """
         b, gamma = block_ids.shape
-        vocab = self.config.vocab_size
+        vocab = self.logits_width
         if temperature > 0:
             u = torch.rand((b, gamma, vocab), generator=generator).clamp_(1e-20, 1.0 - 1e-7)
             gumbel = -torch.log(-torch.log(u))
@@ -385,6 +459,8 @@ class OrtBlockDrafter:
         }
         out = self.block_graph.run(feeds, ["tokens", "markov_logits", "conf_logits"])
         probs = torch.softmax(out["markov_logits"] / temperature, dim=-1) if temperature > 0 else None
+        if probs is not None and self.draft_vocab is not None:
+            probs = self.draft_vocab.scatter(probs)  # the tokens are target ids already (the graph maps them)
         return out["tokens"], probs, out["conf_logits"]
 
     def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from specrt.runtime.backends.ort_models import (
     OrtEagle3Drafter,
     OrtTargetModel,
     cache_feeds,
+    read_draft_vocab,
     split_window_mask,
     write_new_kv,
 )
@@ -319,7 +320,8 @@ def load_trt_engines(folder: str | Path, with_drafter: bool = True, cuda_graphs:
         else:
             drafter = OrtBlockDrafter(kind, graph(roles.get("ingest", f"{kind}_ingest")),  # type: ignore[arg-type]
                                       graph(roles.get("block", f"{kind}_block")), cfg,  # type: ignore[arg-type]
-                                      cache_dtype, section.get("sts_temperatures"))
+                                      cache_dtype, section.get("sts_temperatures"),
+                                      read_draft_vocab(folder, section, int(target_cfg.vocab_size)))
     tokenizer = chat_tokenizer_from_folder(folder, list(target_cfg.eos_token_ids))
     return TrtEngines(folder, manifest, target, drafter, kind if drafter is not None else None, tokenizer)
 

@@ -79,6 +79,8 @@ class BlockProposer:
         self.max_drafts = min(num_drafts, max_drafts) if max_drafts else num_drafts
         self.threshold = float(threshold)
         self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
+        # an engine's reduced block head (OrtBlockDrafter): DFlash logits cover its ids, mapped here
+        self.draft_vocab = getattr(drafter, "draft_vocab", None)
         self.last_survival: torch.Tensor | None = None  # [B, gamma] of the last DSpark chain round
         self.tree_top_k, self.tree_tokens = int(tree_top_k), int(tree_tokens)
         if self.tree_top_k < 1 or self.tree_tokens < 2:
@@ -150,6 +152,9 @@ class BlockProposer:
             else:
                 top = probs.amax(-1)
             survival = top.cumprod(dim=-1)
+            if self.draft_vocab is not None:  # draft ids -> target ids; q: zero mass outside the reduced set
+                tokens = self.draft_vocab.to_target(tokens)
+                probs = None if probs is None else self.draft_vocab.scatter(probs)
             # DFlash's survival is uncalibrated (top-prob product) but, like DSpark's, it never depends on
             # the drawn tokens, so truncating on it keeps verification lossless
             keep = (survival >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)
@@ -179,7 +184,8 @@ class BlockProposer:
                     return per_depth[depth].expand(len(frontier), -1)
 
                 tree = build_dynamic_tree(per_depth[0], expand, self.tree_top_k, self.max_drafts, self.tree_tokens)
-            out.append(Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
+            tokens = tree.tokens if self.draft_vocab is None else self.draft_vocab.to_target(tree.tokens)
+            out.append(Proposal(tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
                                 survival=tree.cum_logprobs.exp().float()))
         return out
 
