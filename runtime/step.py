@@ -43,6 +43,7 @@ from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, seeded_token
 from specrt.runtime.stats import RequestStats
 from specrt.runtime.tree import kv_keep_indices, tree_attention_mask, tree_positions
 from specrt.runtime.verify import (
+    row_argmax,
     verify_chain_greedy,
     verify_chain_sampling,
     verify_tree_greedy,
@@ -90,6 +91,8 @@ class TokenRule:
         logits [>= N+1, V]: row 0 follows the anchor, row i+1 node i; `index` is the generated index
         of the token after the anchor (the seeded rule's noise key)."""
         rows = logits[: len(p) + 1]
+        if not p.tokens.shape[0] and self.sampling.greedy:  # a plain greedy step: the argmax alone
+            return [], row_argmax(rows)[0]
         if self.seeded:
             return accept_seeded(p, rows, self.sampling, index)
         if self.sampling.greedy:

@@ -71,15 +71,15 @@ class TorchTargetEngine:
         )
         return logits, taps
 
-    @torch.inference_mode()
     def commit(self, row: int, kept: Sequence[int]) -> None:
         """Keep new tokens `kept` (indices into the last forward's T, ascending) of `row`."""
-        base = int(self.lengths[row])
         kept = list(kept)
-        if kept != list(range(len(kept))):
-            src = torch.tensor([base + i for i in kept], device=self.device)
-            dst = torch.arange(base, base + len(kept), device=self.device)
-            # gather first (index_select copies), so overlapping src/dst cannot clobber each other
-            self.k_cache[:, row, :, dst] = self.k_cache[:, row, :, src].clone()
-            self.v_cache[:, row, :, dst] = self.v_cache[:, row, :, src].clone()
-        self.lengths[row] = base + len(kept)
+        if kept != list(range(len(kept))):  # a prefix (a chain, a plain step) is already in place
+            base = int(self.lengths[row])
+            with torch.inference_mode():
+                src = torch.tensor([base + i for i in kept], device=self.device)
+                dst = torch.arange(base, base + len(kept), device=self.device)
+                # gather first (index_select copies), so overlapping src/dst cannot clobber each other
+                self.k_cache[:, row, :, dst] = self.k_cache[:, row, :, src].clone()
+                self.v_cache[:, row, :, dst] = self.v_cache[:, row, :, src].clone()
+        self.lengths[row] += len(kept)
