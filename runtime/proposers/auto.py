@@ -35,10 +35,12 @@ slower on the request. Without the probes there would be nothing to compare with
 Lossless. Every arm's drafts are verified by the target exactly as when that arm runs alone. Which
 arm runs depends only on the counts of committed tokens and on measured times, never on the target's
 output for tokens not yet verified, so greedy output is the target's whatever is chosen and sampled
-output keeps the target's distribution. A seeded sampled request, whose text users expect to repeat,
-runs one arm for the whole request (the drafter where there is one, else the copies; a named arm
-without probes): choices that follow the clock would consume its random stream differently from one
-run to the next.
+output keeps the target's distribution. A seeded request under the default seeded rule (Gumbel-max
+noise keyed by seed and token index, `specrt.runtime.seeded`) drafts greedily and its text does not
+depend on the drafts, so the clock may choose for it too. A seeded request whose seed drives
+rejection sampling's coins (`seeded_sampling="stream"`) runs one arm for the whole request (the
+drafter where there is one, else the copies; a named arm without probes): choices that follow the
+clock would consume its random stream differently from one run to the next.
 
 Drafter state. The drafter's cache mirrors the target's, so it must see every committed token. While
 other arms run, committed tokens and their taps wait in a backlog and are ingested in one call when
