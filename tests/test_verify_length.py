@@ -144,6 +144,16 @@ def test_turning_the_cut_off_verifies_whole_proposals(target):
     assert sum(len(o) for _, o in cut) < sum(len(i) for i, _ in cut)
 
 
+def test_an_eagle3_chain_stops_drafting_where_depth_cannot_pay(target):
+    proposer = MAKERS["eagle3-chain"](target)
+    tokens, rounds = run(target, proposer, PROMPTS[0], EXPENSIVE)
+    assert tokens == plain_text(target, PROMPTS[0])
+    assert rounds and all(len(inner) <= 1 for inner, _ in rounds)  # one level, no deeper drafter call
+    proposer.lookup.min_match = proposer.lookup.max_match
+    _, rounds = run(target, proposer, PROMPTS[0], CHEAP)
+    assert rounds and all(len(inner) == 4 for inner, _ in rounds)  # the whole depth, as without sizing
+
+
 def random_tree(rng: random.Random, n: int) -> tuple[list[int], list[float]]:
     parents, survival = [], []
     for i in range(n):

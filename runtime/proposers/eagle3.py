@@ -19,8 +19,10 @@ Chains (top_k = 1, what int8-activation engines and small CPU verify budgets use
 builder: one argmax per level gives the same drafts and survivals (argmax takes the first of equal
 maxima, as the builder's stable order does) without its per-level bookkeeping, which on a CPU
 round of ~15 ms was a visible share. A chain also stops early where the drafter's own path
-probability (the survival) falls below `threshold`: every level not drafted saves a drafter call
-and a verify row, and the stop depends only on the drafter, never on the target, so verification
+probability (the survival) falls below `threshold`, or where the caller's `stop_rule` says deeper
+levels cannot pay for their verify rows (`verify_length.py`, greedy rounds sized by measured costs):
+every level not drafted saves a drafter call and a verify row, and the stop depends only on the
+drafter, past records and past times, never on the target's output for this step, so verification
 stays lossless (as DSpark's confidence truncation).
 """
 
@@ -44,6 +46,9 @@ class Eagle3Proposer:
                  threshold: float = 0.0) -> None:
         self.drafter = drafter
         self.threshold = float(threshold)  # chains only: stop where the path probability drops below it
+        # chains only: called with the conditional confidences of the levels drafted so far, True stops
+        # drafting deeper (the caller's cost-aware sizing, `verify_length.py`); None: draft every level
+        self.stop_rule = None
         self.tap_layers = tuple(drafter.config.tap_layers)
         self.top_k, self.depth, self.total_tokens = int(top_k), int(depth), int(total_tokens)
         self.max_drafts = self.total_tokens - 1
@@ -121,6 +126,8 @@ class Eagle3Proposer:
             cums.append(cum)
             if level == length:
                 break
+            if self.stop_rule is not None and self.stop_rule([math.exp(b - a) for a, b in zip([0.0] + cums, cums)]):
+                break  # deeper levels cannot pay: their drafter calls are saved too
             # node `level - 1` sits in scratch slot base + level - 1 at position base - 1 + level and
             # sees the committed context and the chain so far (its ancestors' slots and its own)
             slot = base + level - 1

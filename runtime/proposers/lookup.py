@@ -462,8 +462,15 @@ class WithLookup:
         confident = bool(copy.survival) and copy.survival[0] >= self.alone_above
         if confident or sizing.should_skip(cost, alone_rate):
             return copy_proposal(copy)
+        staged = "stop_rule" in vars(self.inner)  # a chain drafted level by level stops where depth cannot pay
+        if staged:
+            self.inner.stop_rule = sizing.chain_stop(sizing.with_draft(cost), free_first)
         start = time.perf_counter()
-        p = self.inner.propose([0], [anchor], sampling, generator)[0]
+        try:
+            p = self.inner.propose([0], [anchor], sampling, generator)[0]
+        finally:
+            if staged:
+                self.inner.stop_rule = None
         sizing.observe_draft(time.perf_counter() - start)
         conds = conditionals(p)
         sizing.remember(0, history, p, conds)

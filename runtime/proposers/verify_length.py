@@ -210,6 +210,17 @@ class VerifyLength:
         self.skips += 1
         return True
 
+    def chain_stop(self, cost: tuple[float, float], free_first: bool = False):
+        """A stop rule for a chain drafted level by level (`Eagle3Proposer.stop_rule`): given the
+        conditional confidences so far, True once no deeper draft can raise the round's tokens per
+        second under `cost` (the drafter's cost in). A deeper draft survives at most s_L * MAX_RATE, and
+        drafts each worth at most c1 * R* per row cannot lift a round above its best prefix rate R*."""
+        def stop(conds: list[float]) -> bool:
+            survival = self.record.survival(range(-1, len(conds) - 1), conds)
+            best = best_length(survival, cost, free_first)[1]
+            return survival[-1] * MAX_RATE <= cost[1] * best
+        return stop
+
     # ---------------------------------------------------------------- scoring past drafts
     def remember(self, row: int, history: list[int], p: Proposal, conds: list[float]) -> None:
         """p was drafted after `history` (the row's committed tokens and its anchor, a list that grows)."""
