@@ -47,6 +47,15 @@ disagreeing second candidate as its own branch.
 Chains only on int8-activation engines (see `backends.ort_backend.exact_chain_options`): there the
 proposal must stay a chain, so `chain_only` verifies one chain per step: the copy when its summed
 survival beats the drafter chain's, else the drafter's (`graft_chain`).
+
+Sized drafter rounds. `WithLookup` measures step costs too (`observe_step_time`; under `--drafter
+auto` it shares the copies' line) and the time of its drafter's `propose`. A greedy round at batch 1
+with a measured line is sized whole by `verify_length.py`: the copies alone when the drafter is not
+expected to pay, else the drafter's drafts, with survivals calibrated by what the target accepted,
+cut (chain) or pruned to a subtree (tree, copies grafted in) at the size with the most expected
+tokens per second, the drafter's own cost counted; chain-only engines verify whichever of the cut
+drafter chain and the cut copy expects more tokens per second. Sampled rounds, batches and rounds
+before the line is measured keep the threshold rules above.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ costs, and on a CPU that cost moves: at one thread count, machine load and weigh
 on another). A fixed survival threshold cannot follow that: with the copy datastore proposing more
 low-odds copies, one measurement gave 21% more tokens per step for 18% longer steps. So the lookup
 proposer at batch 1 chooses its copy length the way DSpark's Algorithm 1 does for one request: the
-length L maximising (1 + sum of the first L survivals) / cost(1 + L), with cost from this model.
+length L maximising (1 + sum of the first L survivals) / cost(1 + L), with cost from this model. A
+drafter with copies grafted on sizes its whole round the same way, its own drafting time added to
+c0 (`verify_length.py`).
 
 What. Per (batch, T) an exponentially decayed mean of measured forward seconds, and a least-squares
 line cost(T) = c0 + c1 T over the T's seen (each weighted by its sample count, capped so a flood of
