@@ -119,6 +119,23 @@ class OrtEngines:
         return proposer_for(self.drafter_kind, self.drafter, options, chain_only=self.target.two_row_decode)
 
 
+def spinning_policy(options: SessionOptions, drafting: bool) -> tuple[SessionOptions, SessionOptions]:
+    """(target graph options, drafter graph options) where the caller left `spinning` to us (None).
+
+    The target's pool spins between the kernels of a call (ORT's default, and onnxruntime-genai's):
+    a one-token call runs ~400 small kernels, and waking a sleeping thread for each costs ~25% of it on
+    idle cores. With a drafter loaded the target's pool stops spinning as soon as its call returns, so
+    it does not hold the cores the drafter's calls need next, and the drafter's graphs (a layer and a
+    head: few kernels per call) never spin: two pools spinning over the same cores was measured to
+    halve drafted decoding. A user who sets `spinning` gets it on every graph."""
+    import dataclasses
+
+    if options.spinning is not None:
+        return options, options
+    target = dataclasses.replace(options, spinning=True, stop_spinning_after_run=drafting)
+    return target, dataclasses.replace(options, spinning=False)
+
+
 def with_folder_lookup(options, folder, free_first: bool = False, vocab_size: int | None = None):
     """options with the folder's calibrated copy hit rates (lookup.json) and copy datastore
     (datastore.npz), where it has them and the caller set none (`specrt calibrate` writes both;
@@ -186,10 +203,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     manifest = load_manifest(folder, verify_checksums=verify_checksums)
     data = manifest.data
     drafting = with_drafter and manifest.drafter_kind is not None
-    if options.spinning is None:
-        import dataclasses
-
-        options = dataclasses.replace(options, spinning=not drafting)
+    target_options, drafter_options = spinning_policy(options, drafting)
     dtype_name = (data.get("export") or {}).get("dtype", "float32")
     if dtype_name not in _CACHE_DTYPES:
         raise SpecrtError(f"{folder}: weights of dtype {dtype_name!r} are not supported by the ORT backend",
@@ -200,7 +214,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
                           "re-export with --dtype fp32 for a CPU, or run with --device cuda")
     graphs = manifest.graphs
 
-    def graph(name: str) -> OrtGraph:
+    def graph(name: str, options: SessionOptions = drafter_options) -> OrtGraph:
         if name not in graphs:
             raise SpecrtError(f"{folder}/manifest.json lists no graph {name!r}", "re-export the engine folder")
         return OrtGraph(manifest.graph_path(name), graphs[name], options)
@@ -209,8 +223,9 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     fused = None
     if use_fused and FUSED_GRAPH in graphs and options.device == "cpu":
         # GroupQueryAttention's CUDA kernel takes fp16/bf16 only and is untested here: CPU first
-        fused = graph(FUSED_GRAPH)
-    portable = LazyGraph(manifest.graph_path("target"), graphs["target"], options) if fused else graph("target")
+        fused = graph(FUSED_GRAPH, target_options)
+    portable = (LazyGraph(manifest.graph_path("target"), graphs["target"], target_options) if fused
+                else graph("target", target_options))
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)
     weights = (data.get("export") or {}).get("weights") or {}
     # int8 activations: MatMulNBits at accuracy level 4, and w8a8's per-token int8 rows

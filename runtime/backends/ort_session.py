@@ -47,10 +47,13 @@ class SessionOptions:
     threads: int | None = None  # intra-op threads; None: ORT's default (one per physical core)
     optimization: str = "all"  # basic | extended | all
     profile: bool = False
-    # pool threads spin between kernels: ~20% faster single-session decoding here (int4 decode call 7.5
-    # -> 6.1 ms), but between calls they steal the cores the drafter loop's Python needs (drafted runs
-    # were seen to halve). None: load_engines decides (on exactly when no drafter is loaded)
+    # pool threads spin between kernels instead of sleeping: a decode call runs ~400 small kernels, and
+    # waking a sleeping thread for each costs ~25% of a one-token int4 call on 2 idle cores. None:
+    # load_engines decides per graph (`spinning_policy`)
     spinning: bool | None = None
+    # stop spinning as soon as a call returns (ORT's session.force_spinning_stop): the pool spins within
+    # a call only, so it does not take the cores the drafter's calls and the loop's Python need next
+    stop_spinning_after_run: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_PROVIDERS:
@@ -90,6 +93,8 @@ def _session_options(opts: SessionOptions):
     # spinning only when asked (see SessionOptions.spinning): with a drafter's many small calls between
     # which Python runs, spinning pool threads steal its core
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.spinning else "0")
+    if opts.spinning and opts.stop_spinning_after_run:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.enable_profiling = opts.profile
