@@ -28,7 +28,7 @@ logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 KINDS = ("dflash", "dspark")
 PROMPTS = [[0, 4, 2, 3], [3, 4, 2, 0, 2, 3, 2], [4]]
 VOCAB = 6  # test_speculative's exact-distribution check enumerates this many tokens
-KEEP = 3  # the end-of-sequence id (1) and the two most frequent tokens of the data (2, 4)
+KEEP = 3  # the end-of-sequence id (1) and the two most frequent tokens of the data (2, 3)
 
 
 def write_data_set(folder, responses) -> None:
@@ -55,7 +55,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab")
     target = tiny_target(vocab=VOCAB, seed=3)
     write_hf_target(root / "tiny", target)  # its config and tokenizer end sequences with id 1
-    write_data_set(root / "data", [[2, 2, 2, 4, 4, 3, 0]])
+    write_data_set(root / "data", [[2, 3, 2, 3, 0, 5, 0, 5, 2, 3, 4]])  # what this target writes
     shape = dict(num_layers=1, block_size=4, num_taps=3, intermediate_size=40)
     drafters = {"dflash": DFlashDrafter(DFlashConfig.for_target(target.config, **shape)),
                 "dspark": DSparkDrafter(DSparkConfig.for_target(target.config, markov_rank=8, **shape))}
@@ -102,7 +102,7 @@ def test_the_reduced_head_computes_the_full_heads_logits_on_its_rows(folders, ki
     manifest = json.loads((folders[kind] / "manifest.json").read_text())
     record = manifest["drafter"]["draft_vocab"]
     assert record["size"] == KEEP == len(ids) and record["file"] == "draft_to_target.npy"
-    assert ids.tolist() == [1, 2, 4]  # the end-of-sequence id is kept whatever its count
+    assert ids.tolist() == [1, 2, 3]  # the end-of-sequence id is kept whatever its count
     assert "draft_to_target.npy" in manifest["files"]
     reduced = load_engines(folders[kind]).drafter
     assert reduced.draft_vocab.size == KEEP
@@ -132,24 +132,39 @@ def test_the_reduced_head_computes_the_full_heads_logits_on_its_rows(folders, ki
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_speculation_with_a_reduced_vocabulary_equals_plain_decoding(folders, kind):
+def test_greedy_speculation_with_a_reduced_vocabulary_equals_plain_decoding(folders, kind, monkeypatch):
     from specrt.export.draft_options import DraftOptions
+    from specrt.runtime.backends.ort_models import OrtBlockDrafter
 
+    ids = torch.from_numpy(kept_ids(folders[kind]))
     plain = Pipeline.from_engines(folders[kind], drafter="none").generate_ids(PROMPTS, 24)
     pipe = Pipeline.from_engines(folders[kind], drafter=kind, draft_options=DraftOptions(lookup=0))
-    drafted = []
+    logits, drafted = [], []
+    call = OrtBlockDrafter.__call__
+
+    def spy_call(self, *args):  # DFlash: the block's logits over the kept ids
+        out = call(self, *args)
+        logits.append(out[0])
+        return out
+
+    monkeypatch.setattr(OrtBlockDrafter, "__call__", spy_call)
     propose = pipe.proposer.propose
 
     def spy(*args, **kwargs):
         out = propose(*args, **kwargs)
-        drafted.extend(t for p in out for t in p.tokens.tolist())
+        drafted.append([p.tokens.tolist() for p in out])
         return out
 
     pipe.proposer.propose = spy
     for i, prompt in enumerate(PROMPTS):
         assert pipe.generate_ids([prompt], 24).tokens[0] == plain.tokens[i]
+    assert sum(len(t) for row in drafted for t in row) and set().union(*(t for row in drafted for t in row)) <= set(
+        ids.tolist())
+    if kind == "dflash":  # each draft is the target id of its position's best kept row
+        for block, rows in zip(logits, drafted):
+            want = ids[block[0, 1:].argmax(-1)].tolist()
+            assert rows[0] == want[:len(rows[0])]
     assert pipe.generate_ids(PROMPTS, 24).tokens == plain.tokens
-    assert drafted and set(drafted) <= set(kept_ids(folders[kind]).tolist())  # target ids, from the kept set
     if kind == "dflash":  # trees map their nodes too
         tree = Pipeline.from_engines(folders[kind], drafter=kind,
                                      draft_options=DraftOptions(lookup=0, tree_tokens=8, block_tree_top_k=3))
