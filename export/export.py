@@ -6,6 +6,10 @@ The command line is `specrt export` (`specrt.tools.cli_export`). Without a targe
 default (SmolLM2-135M-Instruct) is exported, with the drafter of that kind shipped in the package
 when there is one.
 
+DFlash/DSpark block heads cover the target's `DEFAULT_BLOCK_DRAFT_VOCAB` most frequent tokens where the
+caller gives the target's token counts (`block_draft_vocab`; the CLI counts the responses of the data
+sets specrt ships for the target): the ids go to draft_to_target.npy and the manifest's drafter section.
+
 Stages print as they finish (time, peak RSS, graph size). The output folder is written atomically:
 everything goes to a hidden temp folder beside `out`, is validated (checker, shape inference,
 manifest checksums), and only then renamed into place. A failed export leaves no folder that looks

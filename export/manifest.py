@@ -15,7 +15,9 @@ Layout (format "specrt.engine", format_version 1):
     drafter       null, or {kind, source, config (drafter config fields), target_fingerprint,
                    graphs {role: graph name}, ...kind specifics: num_drafts, label_shift;
                    eagle3: draft_vocab_size, draft_vocab {file, size}, tree {top_k, depth,
-                   total_tokens}; dflash/dspark: block_size, mask_token_id; dspark: markov_rank,
+                   total_tokens}; dflash/dspark: block_size, mask_token_id, optional draft_vocab
+                   {file, size, source, coverage} (a block head over those target ids only:
+                   `specrt export --draft-vocab N`); dspark: markov_rank,
                    markov_variant, sts_temperatures, policy {threshold, sps}; any kind: lookup
                    {max_tokens, threshold, min_match, max_match, alone_above}, the runtime's default
                    for drafts copied from the request's text (specrt.runtime.proposers.lookup)}
@@ -410,6 +412,11 @@ def _check_drafter(drafter: dict[str, Any], target: dict[str, Any], target_cfg: 
     for role, graph in (drafter.get("graphs") or {}).items():
         if graph not in graphs:
             raise SpecrtError(f"{source}: the drafter's {role} graph '{graph}' is not in \"graphs\"", _REEXPORT)
+    vocab = drafter.get("draft_vocab")
+    if vocab is not None and (not isinstance(vocab, dict) or not isinstance(vocab.get("size"), int)
+                              or not 1 <= vocab["size"] <= target_cfg.vocab_size):
+        raise SpecrtError(f"{source}: the drafter's draft_vocab {vocab!r} is malformed (a file and a size in "
+                          f"1..{target_cfg.vocab_size})", _REEXPORT)
 
 
 __all__ = [

@@ -46,6 +46,15 @@ dspark_block      block_ids [batch, gamma], position_ids, past_mask, past_key_i/
                   sample of softmax(l_k / T) (Gumbel-max), so the graph stays deterministic and the
                   runtime owns the random stream. markov_logits are the l_k: the runtime forms the draft
                   distributions q_k = softmax(l_k / T) that lossless verification needs.
+
+Reduced draft vocabulary (`specrt export --draft-vocab N`, DFlash/DSpark): the block head computes
+logits over N target tokens only (`BlockHead`: their [N, H] rows of the LM head, stored as their own
+weight), so `vocab` above is N for dflash_block's logits and dspark_block's gumbel and markov_logits;
+DSpark's W2 keeps the same rows and its chain maps each drafted index to its target id inside the graph
+(W1 and the confidence head read target ids), so dspark_block's tokens are target ids. The ids are the
+folder's draft_to_target.npy. Why: the head over the full vocabulary was most of a drafting round on a
+CPU (int4 SmolLM2, 2 threads: 10.5 of the DFlash block call's 13.3 ms; 6.2 of DSpark's 11.4 ms, with
+~2.5 ms more of V-wide Markov and chain work).
 """
 
 from __future__ import annotations
