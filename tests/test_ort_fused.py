@@ -250,15 +250,19 @@ def test_portable_int8_engines_do_not_pretend_to_be_exact(engine_folders):
     assert pipe.proposer.top_k == 2  # the manifest's tree: no chain rule where it would not buy exactness
 
 
-def test_threads_spin_only_without_a_drafter(engine_folders):
+def test_the_target_spins_within_its_calls_and_drafter_graphs_never_spin(engine_folders):
     from specrt.runtime.backends.ort_backend import load_engines
 
+    def spinning(graph):
+        return graph.options.spinning, graph.options.stop_spinning_after_run
+
     drafted = load_engines(engine_folders / "with", SessionOptions(threads=1))
-    assert drafted.target.fused.options.spinning is False and drafted.drafter.fc_graph.options.spinning is False
+    assert spinning(drafted.target.fused) == (True, True)  # stops when its call returns: the drafter runs next
+    assert spinning(drafted.drafter.fc_graph) == (False, False)
     plain = load_engines(engine_folders / "with", SessionOptions(threads=1), with_drafter=False)
-    assert plain.target.fused.options.spinning is True
+    assert spinning(plain.target.fused) == (True, False)
     forced = load_engines(engine_folders / "with", SessionOptions(threads=1, spinning=False), with_drafter=False)
-    assert forced.target.fused.options.spinning is False  # an explicit choice is kept
+    assert spinning(forced.target.fused)[0] is False  # an explicit choice is kept
 
 
 # --- single-stream calls through the bound call (specrt.runtime.backends.ort_decode) -----------------
