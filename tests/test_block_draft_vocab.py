@@ -217,6 +217,18 @@ def copy_of(folder, tmp_path):
     return out
 
 
+def without_manifest_entry(folder, out, *keys):
+    """A copy of folder whose manifest.json lacks manifest[keys[0]]...[keys[-1]]."""
+    copied = copy_of(folder, out)
+    manifest = json.loads((copied / "manifest.json").read_text())
+    parent = manifest
+    for key in keys[:-1]:
+        parent = parent[key]
+    del parent[keys[-1]]
+    (copied / "manifest.json").write_text(json.dumps(manifest))
+    return copied
+
+
 def test_a_missing_corrupt_or_dropped_mapping_is_refused(folders, tmp_path):
     from specrt.runtime.backends.ort_backend import load_engines
 
@@ -233,10 +245,7 @@ def test_a_missing_corrupt_or_dropped_mapping_is_refused(folders, tmp_path):
     with pytest.raises(SpecrtError, match="draft_to_target.npy is corrupt"):
         load_engines(corrupt)
 
-    unlisted = copy_of(reduced, tmp_path / "unlisted")
-    manifest = json.loads((unlisted / "manifest.json").read_text())
-    del manifest["files"]["draft_to_target.npy"]
-    (unlisted / "manifest.json").write_text(json.dumps(manifest))
+    unlisted = without_manifest_entry(reduced, tmp_path / "unlisted", "files", "draft_to_target.npy")
     with pytest.raises(SpecrtError, match="draft_to_target.npy is used but has no checksum"):
         load_engines(unlisted)
 
@@ -250,10 +259,7 @@ def test_a_missing_corrupt_or_dropped_mapping_is_refused(folders, tmp_path):
         load_engines(wrong)
 
     # the manifest no longer names the mapping: the reduced head is not read as the full vocabulary
-    dropped = copy_of(reduced, tmp_path / "dropped")
-    manifest = json.loads((dropped / "manifest.json").read_text())
-    del manifest["drafter"]["draft_vocab"]
-    (dropped / "manifest.json").write_text(json.dumps(manifest))
+    dropped = without_manifest_entry(reduced, tmp_path / "dropped", "drafter", "draft_vocab")
     with pytest.raises(SpecrtError, match=f"logits cover {KEEP} tokens"):
         load_engines(dropped)
 

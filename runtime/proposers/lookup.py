@@ -390,15 +390,6 @@ class WithLookup:
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         self.step_cost.observe(batch, positions, seconds)
 
-    def drafter_pays(self) -> bool | None:
-        """Whether a drafter round is expected to give more tokens per second than a plain step at
-        today's measured costs (None while too little is measured; `verify_length.py`)."""
-        cost = self.step_cost.line(self.batch_size)
-        rate = None if cost is None else self.sizing.drafter_rate(cost)
-        if rate is None:
-            return None
-        return rate > best_length([], cost, self.lookup.free_first)[1]
-
     def prefix_view(self, hi: int) -> "WithLookup":
         """Rows 0..hi-1 (serving): the inner proposer's view over the same lookup state."""
         import copy

@@ -39,9 +39,8 @@ its past rounds' expected tokens and verified rows, at today's cost and d) is co
 this step gets without it: the copies alone at their best length, or a plain step. When the
 drafter is expected to be slower, the round verifies the copies alone (no drafter forward, as a
 confident copy already does); every `REASK`-th such round asks the drafter anyway, so its estimates
-follow the text. `drafter_pays()` says whether the drafter's expected round beats a plain step:
-`--drafter auto` measures its arms itself, and a drafter arm that skips its drafter costs what the
-copies arm does.
+follow the text. `--drafter auto` measures its arms itself: a drafter arm that skips its drafter
+costs what the copies arm does.
 
 Lossless. Every choice here reads the committed history, past records, past step times and the
 drafter's own output, never this step's target output, and the target verifies whatever is left:
