@@ -12,7 +12,7 @@ matmul and several ms of per-kernel overhead. This graph expresses one layer in
                                 like any other MatMul by --weights)
     GroupQueryAttention        (takes q|k|v packed, no Split; RoPE at `position_ids`, tree mask as
                                 `attention_bias`, K/V written in place into the runtime's cache buffer)
-    MatMul o, SkipSimplifiedLayerNormalization, MatMul gate|up, Split, Sigmoid-Mul-Mul, MatMul down
+    MatMul o, SkipSimplifiedLayerNormalization, MatMul gate, MatMul up, Sigmoid-Mul-Mul, MatMul down
 
 Contract (graph `target_ort`; dims batch, seq, total, rows, capacity):
 
@@ -141,10 +141,10 @@ class _Builder:
             (y,) = self.node("Add", [y, b], [f"{name}.biased"], f"{name}.bias_add")
         return y
 
-    def fused_linear(self, x: str, modules: list[torch.nn.Linear], name: str, parts: list[str] | None) -> list[str]:
+    def fused_linear(self, x: str, modules: list[torch.nn.Linear], name: str) -> str:
         """Several projections of the same input as one MatMul on their weights concatenated along the
-        output dim, then Split (none when `parts` is None: the consumer takes them packed): one kernel
-        (and one activation quantization) instead of several.
+        output dim, for a consumer that takes them packed (GroupQueryAttention's q|k|v): one kernel (and
+        one activation quantization) instead of several.
         The node records the part widths (`specrt.parts`) so the GGUF pass can find each part's blocks
         and specrt.export.shared_weights can store the packed weight as the portable graph's tensors;
         RTN quantization is per output column, so fusing changes no weight."""
@@ -158,10 +158,7 @@ class _Builder:
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(wd) for m, wd in zip(modules, widths)])
             b = self.weight(f"{name}.bias", bias)
             (y,) = self.node("Add", [y, b], [f"{name}.biased"], f"{name}.bias_add")
-        if parts is None:
-            return [y]
-        split = self.const(f"{name}.split", np.array(widths, dtype=np.int64))
-        return self.node("Split", [y, split], [f"{name}.{part}" for part in parts], f"{name}.split", axis=-1)
+        return y
 
 
 def rotary_tables(model: LlamaModel, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,7 +225,7 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
         attn = layer.self_attn
         # packed q|k|v (key and value left empty): GQA splits it itself, which saves a Split kernel
         # a layer (~5 us each at one row, 2% of an int4 decode step)
-        (qkv,) = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj", None)
+        qkv = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj")
         (qkv_rows,) = g.node("Gather", [qkv, attn_index], [f"{p}.qkv_rows"], f"{p}.attention_rows", axis=1)
         (a_rows, _, _) = g.node(
             "GroupQueryAttention",
@@ -246,7 +243,11 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
                              [f"{p}.mlp_in", "", "", f"{p}.residual_mid"], f"{p}.post_norm",
                              domain=MS_DOMAIN, epsilon=eps)
         mlp = layer.mlp
-        gate, up = g.fused_linear(h, [mlp.gate_proj, mlp.up_proj], f"{p}.gate_up_proj", ["gate", "up"])
+        # gate and up as two MatMuls, not one on gate|up and a Split: the Split's copy costs more than
+        # the second activation quantization (int4, interleaved raw ORT loops: a one-token call 5% and a
+        # four-token verify 7% faster without it), and each output column is computed alike either way
+        gate = g.linear(h, mlp.gate_proj, f"{p}.gate_proj")
+        up = g.linear(h, mlp.up_proj, f"{p}.up_proj")
         (sig,) = g.node("Sigmoid", [gate], [f"{p}.gate_sigmoid"], f"{p}.sigmoid")
         (silu,) = g.node("Mul", [gate, sig], [f"{p}.gate_silu"], f"{p}.silu")
         (act,) = g.node("Mul", [silu, up], [f"{p}.act"], f"{p}.act_mul")
