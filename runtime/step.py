@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from specrt.runtime.proposers.backlog import DrafterBacklog
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams, next_token, probabilities
 from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, seeded_token
@@ -179,14 +180,14 @@ class DecodeStep:
         self.step_times = step_times
         # a lookup grafted onto a drafter (`WithLookup`) is fed every step, the drafter when it drafts
         self.split = hasattr(proposer, "observe_copies")
-        self.pending: dict[int, tuple[list[int], list[torch.Tensor], list[int]]] = {}  # row -> not yet ingested
+        self.pending = DrafterBacklog()  # what the rows committed and the proposer has not ingested
 
     def forget(self, row: int) -> None:
         """A row left: drop what it committed and the proposer has not seen."""
-        self.pending.pop(row, None)
+        self.pending.drop(row)
 
     def forget_all(self) -> None:
-        self.pending.clear()
+        self.pending.drop()
 
     def __call__(self, engine, rows: list[StepRow], emit: Emit, *, proposer=None, drafts: str = "drafter",
                  plan: Plan | None = None, forward: Forward | None = None) -> StepReport:
@@ -289,12 +290,7 @@ class DecodeStep:
     def _ingest(self, proposer, committed) -> None:
         if self.split:  # copies need every committed token before the next copy: now
             proposer.observe_copies([c[0] for c in committed], [c[1] for c in committed], [c[3] for c in committed])
-        for row, tokens, taps, nxt in committed:
-            pending = self.pending.setdefault(row, ([], [], [nxt]))
-            pending[0].extend(tokens)
-            if taps is not None:
-                pending[1].append(taps)
-            pending[2][0] = nxt
+        self.pending.hold(*zip(*committed))
         if not self.lazy:
             self.flush(proposer)
 
@@ -304,12 +300,4 @@ class DecodeStep:
         One batched observe of k steps' tokens equals k observes (context entries are per
         position; EAGLE-3's rows are causal), so a lazy proposer pays nothing on plain steps.
         """
-        if not self.pending:
-            return
-        rows = sorted(self.pending)
-        tokens = [self.pending[r][0] for r in rows]
-        taps = [None if not self.pending[r][1] else (self.pending[r][1][0] if len(self.pending[r][1]) == 1
-                                                    else torch.cat(self.pending[r][1])) for r in rows]
-        nexts = [self.pending[r][2][0] for r in rows]
-        self.pending.clear()
-        (proposer.observe_drafter if self.split else proposer.observe)(rows, tokens, taps, nexts)
+        self.pending.catch_up(proposer.observe_drafter if self.split else proposer.observe)

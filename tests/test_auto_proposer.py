@@ -202,7 +202,7 @@ def test_greedy_auto_with_real_arms_equals_plain_decoding(target, kind, batched)
                 got.append(generate_speculative(TorchTargetEngine(target, 128), auto, [p], 30,
                                                 SamplingParams()).tokens[0])
                 # the drafter's context, once caught up, is every committed token: the copies' count
-                auto._catch_up()
+                auto.backlog.catch_up()
                 assert auto.inner.lengths[0] == auto.copies.lengths[0] > len(p)
         assert got == expected
     assert min(counts.values()) > 0, counts

@@ -43,11 +43,11 @@ drafter where there is one, else the copies; a named arm without probes): choice
 clock would consume its random stream differently from one run to the next.
 
 Drafter state. The drafter's cache mirrors the target's, so it must see every committed token. While
-other arms run, committed tokens and their taps wait in a backlog and are ingested in one call when
-the drafter next drafts (one observe of k rounds' tokens equals k observes: context entries are per
-position). That catch-up is charged to the drafting round only as one round's share. The prompt is
-ingested at prefill, as without auto; the copies' index is fed every round (a few dict writes per
-token). The target returns the drafter's taps every round, whichever arm runs.
+other arms run (or the drafter arm verifies the copies alone), committed tokens and their taps wait in
+the drafter's backlog (`backlog.py`) and are ingested in one call when the drafter next drafts.
+That catch-up is charged to the drafting round only as one round's share. The prompt is ingested at
+prefill, as without auto; the copies' index is fed every round (a few dict writes per token). The
+target returns the drafter's taps every round, whichever arm runs.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from specrt.runtime.proposers.backlog import DrafterBacklog
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.sampling import SamplingParams
 
@@ -105,8 +106,12 @@ class AutoProposer:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.copies = copies
         self.drafter = drafter
-        # the drafter alone (what the backlog feeds): WithLookup's inner, or the drafter itself
+        # the drafter alone, and what it has not ingested: WithLookup's own backlog (it catches up only
+        # when its round drafts), or one here for a drafter without copies (--lookup 0)
         self.inner = getattr(drafter, "inner", drafter) if drafter is not None else None
+        self.backlog = getattr(drafter, "backlog", None)
+        if drafter is not None and self.backlog is None:
+            self.backlog = DrafterBacklog(drafter)
         if drafter is not None and hasattr(drafter, "observe_copies"):
             # one copy index for both arms, fed once per round (same settings: one DraftOptions)
             drafter.lookup = copies.lookup
@@ -135,12 +140,11 @@ class AutoProposer:
         self.copies.reset(batch_size, capacity)
         if self.inner is not None:
             self.inner.reset(batch_size, capacity)
+            self.backlog.drop()
         self._new_request(batch_size)
 
     def _new_request(self, batch_size: int) -> None:
         self.batch_size = batch_size
-        self.backlog: dict[int, tuple[list[int], list[torch.Tensor], list[int]]] = {}
-        self.backlog_rounds = 0
         self.open: str | None = None  # the arm of the round in flight
         self.started = 0.0
         self.credit = 0.0  # seconds of the round not charged to its arm (drafter catch-up)
@@ -167,16 +171,10 @@ class AutoProposer:
         if self.inner is None:
             return
         if self.open is None:  # the prompt, at prefill: ingested now, as without auto
+            self.backlog.catch_up()
             self.inner.observe(rows, tokens, taps, next_tokens)
             return
-        for b, toks, tap, nxt in zip(rows, tokens, taps, next_tokens):
-            waiting = self.backlog.get(b)
-            if waiting is None:
-                waiting = self.backlog[b] = ([], [], [0])
-            waiting[0].extend(int(t) for t in toks)
-            waiting[1].append(None if tap is None else tap.clone())  # the engine may reuse its buffers
-            waiting[2][0] = int(nxt)
-        self.backlog_rounds += 1
+        self.backlog.hold(rows, tokens, taps, next_tokens)
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         timer = getattr(self.copies, "observe_step_time", None)
@@ -202,8 +200,14 @@ class AutoProposer:
             return [_EMPTY] * len(rows)
         if arm == COPIES:
             return self.copies.propose(rows, anchors, sampling, generator)
-        self._catch_up()
-        return self.drafter.propose(rows, anchors, sampling, generator)
+        self.backlog.clear_last()
+        if self.backlog.drafter is self.drafter:  # WithLookup catches up itself, only if it drafts
+            self.backlog.catch_up()
+        proposals = self.drafter.propose(rows, anchors, sampling, generator)
+        # a drafter running every round ingests one round's tokens per round: charge that share only
+        seconds, rounds = self.backlog.last
+        self.credit = seconds * (1.0 - 1.0 / max(rounds, 1))
+        return proposals
 
     # ---------------------------------------------------------------- measuring and choosing
     def _close(self, now: float) -> None:
@@ -235,20 +239,6 @@ class AutoProposer:
         self.since_probe = 0
         self.probe_every = min(2 * self.probe_every, self.max_probe)
         return min((a for a in self.arms if a != best), key=lambda a: self.rates[a].last)
-
-    def _catch_up(self) -> None:
-        """Feed the drafter what was committed while other arms ran (one observe call)."""
-        if not self.backlog:
-            return
-        start = self.clock()
-        rows = sorted(self.backlog)
-        waiting = [self.backlog[b] for b in rows]
-        taps = [None if w[1][0] is None else torch.cat(w[1]) for w in waiting]
-        self.inner.observe(rows, [w[0] for w in waiting], taps, [w[2][0] for w in waiting])
-        # a drafter running every round ingests one round's tokens per round: charge that share only
-        self.credit = (self.clock() - start) * (1.0 - 1.0 / max(self.backlog_rounds, 1))
-        self.backlog.clear()
-        self.backlog_rounds = 0
 
     # ---------------------------------------------------------------- reporting
     def summary(self) -> dict[str, dict[str, float]]:

@@ -74,6 +74,7 @@ from specrt.export.draft_options import (
     DEFAULT_MIN_MATCH,
     check_lookup_settings,
 )
+from specrt.runtime.proposers.backlog import DrafterBacklog
 from specrt.runtime.proposers.base import Proposal, _depth
 from specrt.runtime.sampling import SamplingParams
 
@@ -352,6 +353,8 @@ class WithLookup:
         self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
         self.sizing = VerifyLength()
         self.cost_cut = True
+        # committed tokens the drafter ingests only when it next drafts (`backlog.py`)
+        self.backlog = DrafterBacklog(inner)
 
     # the serving batcher reads and sets the confidence threshold of the drafter it drives
     @property
@@ -380,12 +383,14 @@ class WithLookup:
         self.inner.reset(batch_size, capacity)
         self.lookup.reset(batch_size)
         self.sizing.forget()
+        self.backlog.drop()
 
     def reset_row(self, row: int) -> None:
         from specrt.runtime.serving.rows import reset_proposer_row
 
         reset_proposer_row(self.inner, row)
         self.lookup.reset_row(row)
+        self.backlog.drop(row)
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         self.step_cost.observe(batch, positions, seconds)
@@ -401,16 +406,22 @@ class WithLookup:
         return view
 
     def context_length(self, row: int) -> int:
-        return self.inner.context_length(row)
+        return self.inner.context_length(row) + self.backlog.held(row)
 
     def observe(self, rows, tokens, taps, next_tokens) -> None:
         self.observe_drafter(rows, tokens, taps, next_tokens)
         self.observe_copies(rows, tokens, next_tokens)
 
-    # The serving batcher feeds the two halves apart: the lookup every step (its index and record
-    # must see each committed token before the next copy), the drafter only before it drafts.
+    # The decode step and the serving batcher feed the two halves apart: the lookup every step (its
+    # index and record must see each committed token before the next copy), the drafter's backlog
+    # (`backlog.py`) to be ingested when it next drafts; a row's first tokens (the prompt, at
+    # prefill) are ingested at once.
     def observe_drafter(self, rows, tokens, taps, next_tokens) -> None:
-        self.inner.observe(rows, tokens, taps, next_tokens)
+        if all(self.inner.context_length(b) for b in rows):
+            self.backlog.hold(rows, tokens, taps, next_tokens)
+        else:
+            self.backlog.catch_up()
+            self.inner.observe(rows, tokens, taps, next_tokens)
 
     def observe_copies(self, rows, tokens, next_tokens) -> None:
         self.lookup.observe(rows, tokens, next_tokens)
@@ -420,6 +431,7 @@ class WithLookup:
         return [copy_proposal(self.lookup.chain(b)) for b in rows]
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        self.backlog.clear_last()
         # measured costs size greedy rounds at batch 1; a sampled request's drafts must not depend on timing
         cost = self.step_cost.line(1) if (self.cost_cut and sampling.greedy and self.batch_size == 1
                                           and list(rows) == [0]) else None
@@ -437,7 +449,7 @@ class WithLookup:
             # (`BlockProposer.propose`), and drafts all rows in one forward anyway: ask for all of them
             ask = list(rows)
         anchor_of = dict(zip(rows, anchors))
-        inner = dict(zip(ask, self.inner.propose(ask, [anchor_of[b] for b in ask], sampling, generator))) if ask else {}
+        inner = dict(zip(ask, self._draft(ask, [anchor_of[b] for b in ask], sampling, generator))) if ask else {}
         out = []
         for b in rows:
             c = chains[b]
@@ -448,6 +460,11 @@ class WithLookup:
             else:
                 out.append(graft_tree(inner[b], c))
         return out
+
+    def _draft(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+        """The drafter's proposals for `rows`, once it has ingested what it holds."""
+        self.backlog.catch_up()
+        return self.inner.propose(rows, anchors, sampling, generator)
 
     def _sized_round(self, anchor: int, sampling: SamplingParams, generator, cost: tuple[float, float]) -> Proposal:
         """Row 0's round at the size with the most expected tokens per second (`verify_length.py`):
@@ -465,13 +482,17 @@ class WithLookup:
         staged = "stop_rule" in vars(self.inner)  # a chain drafted level by level stops where depth cannot pay
         if staged:
             self.inner.stop_rule = sizing.chain_stop(sizing.with_draft(cost), free_first)
+        self.backlog.catch_up()
         start = time.perf_counter()
         try:
             p = self.inner.propose([0], [anchor], sampling, generator)[0]
         finally:
             if staged:
                 self.inner.stop_rule = None
-        sizing.observe_draft(time.perf_counter() - start)
+        # the drafter's cost of a round: its forward, and its ingest of one round's tokens (a drafter
+        # drafting every round ingests every round; one that sat out rounds caught up on them at once)
+        seconds, rounds = self.backlog.last
+        sizing.observe_draft(time.perf_counter() - start + seconds / max(rounds, 1))
         conds = conditionals(p)
         sizing.remember(0, history, p, conds)
         survival = sizing.record.survival(p.parents.tolist(), conds)
