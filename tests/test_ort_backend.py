@@ -142,6 +142,25 @@ def torch_spec_options(pipe: Pipeline):
     return DraftOptions(confidence_threshold=p.threshold, lookup=0)
 
 
+def test_copies_take_the_shape_the_engine_verifies_exactly(tmp_path):
+    """Copies on int8-activation engines with a proposer are one chain (two disagreeing copies as two
+    branches would be a tree); a one-token copy is taken whatever its odds only where a one-token call
+    runs a whole second row anyway; engines exact on trees may verify both copies."""
+    import types
+
+    from specrt.runtime.backends.ort_backend import with_folder_lookup
+    from specrt.export.draft_options import DraftOptions
+
+    def shape(**target):
+        o = with_folder_lookup(DraftOptions(), tmp_path, types.SimpleNamespace(**target) if target else None)
+        return o.lookup_tree, o.lookup_free_first
+
+    assert shape(two_row_decode=True, full_copy_row=False) == (False, False)  # attention rows
+    assert shape(two_row_decode=True, full_copy_row=True) == (False, True)  # a full copy row
+    assert shape(two_row_decode=False, full_copy_row=False) == (True, False)  # fp32
+    assert shape() == (True, False)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampling_runs_and_is_reproducible(folders, kind):
     pipe = Pipeline.from_engines(folders["engines"][kind])

@@ -139,8 +139,7 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
         chain_only = bool(getattr(pipe.model, "two_row_decode", False))
         drafted[inner.name + tag + suffix] = pipe.with_proposer(inner)
         # the folder's calibrated copy hit rates and copy store, as its own proposer would get them
-        folder_options = with_folder_lookup(options, pipe.folder, free_first=chain_only,
-                                            vocab_size=int(pipe.config.vocab_size))
+        folder_options = with_folder_lookup(options, pipe.folder, pipe.model, vocab_size=int(pipe.config.vocab_size))
         drafted[inner.name + "+lookup" + tag + suffix] = pipe.with_proposer(
             with_lookup(inner, folder_options, chain_only=chain_only))
     for label, pipe in list(plains.items()):

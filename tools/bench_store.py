@@ -74,8 +74,7 @@ def build_variants(args: argparse.Namespace):
         count = round(len(samples) * fraction)
         store = datastore_from_samples(samples[:count], source) if count else False  # False: own text only
         options = with_folder_lookup(dataclasses.replace(defaults, lookup_datastore=store), base.folder,
-                                     free_first=bool(getattr(base.model, "two_row_decode", False)),
-                                     vocab_size=int(base.config.vocab_size))
+                                     base.model, vocab_size=int(base.config.vocab_size))
         label = f"store {fraction:g} ({count} answers)" if count else "own text only"
         print(f"{label}: {len(store) if store else 0} n-grams", file=sys.stderr)
         variants.append((label, count, base.with_proposer(lookup_proposer(options))))

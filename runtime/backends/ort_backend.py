@@ -60,7 +60,7 @@ class OrtTargetEngine(TorchTargetEngine):
         model = self.model
         if model.fused is None or self.device.type != "cpu":
             return None
-        if model.two_row_decode and not model.takes_attention_rows:
+        if model.full_copy_row:
             return None  # its one-token calls run a full copy row: the general path builds it
         call = self._bound
         if (call is None or call.k_cache is not self.k_cache or call.taps != bool(model.tap_layers)
@@ -92,8 +92,7 @@ class OrtEngines:
         above, measured against the others in probe rounds (a note when it was the slower choice)."""
         from specrt.runtime.proposers.factory import lookup_proposer, measured_proposer
 
-        options = with_folder_lookup(options or from_manifest(self.manifest.data), self.folder,
-                                     free_first=self.target.two_row_decode,
+        options = with_folder_lookup(options or from_manifest(self.manifest.data), self.folder, self.target,
                                      vocab_size=int(self.target.config.vocab_size))
         if measured not in (None, "auto", "named"):
             raise ValueError(f"measured must be None, 'auto' or 'named', got {measured!r}")
@@ -138,11 +137,16 @@ def spinning_policy(options: SessionOptions, drafting: bool) -> tuple[SessionOpt
     return target, dataclasses.replace(options, spinning=False)
 
 
-def with_folder_lookup(options, folder, free_first: bool = False, vocab_size: int | None = None):
+def with_folder_lookup(options, folder, target=None, vocab_size: int | None = None):
     """options with the folder's calibrated copy hit rates (lookup.json) and copy datastore
     (datastore.npz), where it has them and the caller set none (`specrt calibrate` writes both;
-    `specrt export` too for a target with shipped data). free_first: the engine decodes one token as
-    two rows, so a one-token copy costs nothing."""
+    `specrt export` too for a target with shipped data), and the copies' shape for the target model
+    that verifies them (an `OrtTargetModel`; None: an engine exact on trees):
+
+    - chains only where the engine is exact on chains only (int8 activations with a proposer:
+      `two_row_decode`); elsewhere two disagreeing copies can be verified side by side;
+    - a one-token copy verified whatever its odds only where one-token calls run a whole second row
+      anyway (`full_copy_row`): with attention rows a copy costs a verify row like any other."""
     import dataclasses
 
     from specrt.runtime.proposers.datastore import load_datastore_for
@@ -153,9 +157,9 @@ def with_folder_lookup(options, folder, free_first: bool = False, vocab_size: in
         changes["lookup_prior"] = load_prior_for(folder)
     if options.lookup_datastore is None:
         changes["lookup_datastore"] = load_datastore_for(folder, vocab_size)
-    if free_first:
+    if getattr(target, "full_copy_row", False):
         changes["lookup_free_first"] = True
-    else:  # an engine exact on trees: two disagreeing copies can be verified side by side
+    if not getattr(target, "two_row_decode", False):
         changes["lookup_tree"] = True
     return dataclasses.replace(options, **changes) if changes else options
 
@@ -236,11 +240,12 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     int8_activations = bool(weights.get("bits")) and (int(weights.get("accuracy_level", 0)) == 4 or w8a8)
     # Such engines never make a one-row attention call, on the fused graph (the portable one splits
     # attention at the committed/new boundary, so its sums depend on how the context was fed whatever
-    # the row count): with a proposer (a drafter, or copies alone: lookup_only) one-token steps run two
-    # rows, the second carrying a free copy; without one, plain decoding runs attention rows
-    # (`specrt.export.ort_fused`; int4, 80 MT-bench prompts: 0.92x of one-row speed, two rows ~0.82x).
-    # Folders exported before attention rows: int4/int8 keep one-row calls (text not that of
-    # speculation) and w8a8 decodes two rows (its second row costs ~nothing there: 99.0 vs 97.5 tok/s).
+    # the row count): one-token steps run attention rows (`specrt.export.ort_fused`; int4, 80 MT-bench
+    # prompts: 0.92x of one-row speed, two full rows ~0.82x), with a proposer (a drafter, or copies
+    # alone: lookup_only) and, unless exact_plain is off, without one. Folders exported before
+    # attention rows: with a proposer one-token steps run a full copy row (`full_copy_row`: it carries
+    # a free one-token copy); plain int4/int8 keeps one-row calls (text not that of speculation) and
+    # w8a8 decodes two rows (its second row costs ~nothing there: 99.0 vs 97.5 tok/s).
     speculating = drafting or lookup_only
     target.two_row_decode = int8_activations and fused is not None and (
         speculating or (w8a8 and not target.takes_attention_rows))

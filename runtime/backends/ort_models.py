@@ -115,9 +115,10 @@ class OrtTargetModel:
         self._views: dict[tuple, tuple[dict, dict]] = {}  # cache key -> (past_* feeds, present_* buffers)
         self._views_of = None  # storage pointer of the one cache _views (and the fused graph's bindings) belong to
         self.per_row_batches = False  # batches as one fused call per row (class docstring)
-        # one-row calls run as two rows (see with_copy_row): on for int8-activation engines with a
-        # proposer, where it is what makes speculative output equal plain output (and the second row
-        # carries a copy for free); fp32 engines agree without it (measured)
+        # one-token calls take the multi-row path: on for int8-activation engines with a proposer,
+        # where it is what makes speculative output equal plain output; as attention rows where the
+        # fused graph takes them, else as a full copy row (`with_copy_row`, `full_copy_row`); fp32
+        # engines agree without it (measured)
         self.two_row_decode = False
         # one-row calls with two attention rows only (see with_attention_row): the same exactness at
         # ~one row's cost, for plain decoding on int8-activation engines whose fused graph takes it
@@ -138,6 +139,12 @@ class OrtTargetModel:
     def exact_decode(self) -> bool:
         """One-token calls reproduce a verify step's row bitwise (int8-activation engines)."""
         return self.two_row_decode or self.attention_row_decode
+
+    @property
+    def full_copy_row(self) -> bool:
+        """One-token calls run a whole second row (`with_copy_row`; folders whose fused graph takes no
+        attention rows), which can carry a one-token copy at no extra cost."""
+        return self.two_row_decode and not self.takes_attention_rows
 
     def set_taps(self, tap_layers: Sequence[int]) -> None:
         taps = tuple(int(i) for i in tap_layers)
@@ -161,7 +168,9 @@ class OrtTargetModel:
         if b > 1 and self.per_row_batches and self.fused is not None:
             return self._call_per_row(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows)
         room = b == 1 and t == 1 and attn_mask.shape[-1] < k_cache.shape[-2]  # a spare slot for the copy
-        if room and self.attention_row_decode and not self.two_row_decode and self._fits_fused(attn_mask, write_slots):
+        # a fused graph that takes attention rows gives the token's row of a two-row call at one row's
+        # cost in its linear layers (`with_attention_row`): plain and speculative one-token calls use it
+        if room and self.exact_decode and self.takes_attention_rows and self._fits_fused(attn_mask, write_slots):
             ids, rows_positions, rows_mask = with_attention_row(input_ids, position_ids, attn_mask, write_slots)
             return self._call_fused(ids, rows_positions, rows_mask, k_cache, v_cache, logit_rows)
         copy_row = self.two_row_decode and room

@@ -39,8 +39,9 @@ parent's, so it never increases along a path.
 Copies from a store (`datastore.py`). With an engine folder's datastore.npz, the store's greedy walk
 over the target's earlier answers is a second candidate each step; the record keeps its rates
 apart (negative match keys) and the step verifies whichever candidate expects more accepted
-tokens. `free_first`: on engines that compute a second row anyway (int4, `two_row_decode`) one copy is
-verified whatever its estimate. The drafter-free `LookupProposer` of a greedy request sizes its copy
+tokens. `free_first`: on engines that compute a whole second row anyway (int8-activation folders whose
+fused graph takes no attention rows: `OrtTargetModel.full_copy_row`) one copy is verified whatever
+its estimate. The drafter-free `LookupProposer` of a greedy request sizes its copy
 by the step cost it measures (`step_cost.py`) instead of the threshold, and with `tree` verifies a
 disagreeing second candidate as its own branch.
 
