@@ -220,10 +220,15 @@ def test_a_drafter_slower_than_the_copies_is_skipped_but_asked_again():
     sizing.observe_round(1.2, 3)  # the drafter's rounds: 1.2 tokens for 10 ms + 3 rows
     cost = (0.007, 0.001)
     plain_rate = 1 / 0.008
-    skipped = [sizing.should_skip(cost, plain_rate) for _ in range(16)]
-    assert skipped.count(False) == 2 and skipped[7] is False  # asked every 8th round
+    skipped = [sizing.should_skip(cost, plain_rate) for _ in range(24 + 200)]
+    asked = [i for i, s in enumerate(skipped) if not s]
+    # asked after 8 skipped rounds, then after twice as many each time it still does not pay, at most 64
+    assert asked[:4] == [7, 23, 55, 119] and asked[4] - asked[3] == 64
     sizing.observe_round(20.0, 3)
-    assert sizing.should_skip(cost, plain_rate) is False
+    assert sizing.should_skip(cost, plain_rate) is False  # it pays: asked at once, and the gap starts over
+    for _ in range(30):  # and stops paying again
+        sizing.observe_round(0.0, 3)
+    assert [sizing.should_skip(cost, plain_rate) for _ in range(8)].count(False) == 1
 
 
 def test_auto_shares_one_step_cost_between_its_arms(target):

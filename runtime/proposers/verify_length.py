@@ -38,8 +38,10 @@ Skipping the drafter. Before drafting, the round a drafter is expected to give (
 its past rounds' expected tokens and verified rows, at today's cost and d) is compared with what
 this step gets without it: the copies alone at their best length, or a plain step. When the
 drafter is expected to be slower, the round verifies the copies alone (no drafter forward, as a
-confident copy already does); every `REASK`-th such round asks the drafter anyway, so its estimates
-follow the text. `--drafter auto` measures its arms itself: a drafter arm that skips its drafter
+confident copy already does). The drafter is asked anyway after `REASK` such rounds, so its
+estimates follow the text, and after twice as many each time it still does not pay (at most
+`MAX_REASK`): where it never pays (sampled text its drafts rarely match) its forward, and its catch-up
+on the rounds it sat out, cost a few percent of a round, not an eighth. `--drafter auto` measures its arms itself: a drafter arm that skips its drafter
 costs what the copies arm does.
 
 Lossless. Every choice here reads the committed history, past records, past step times and the
@@ -63,7 +65,8 @@ DEPTH_GROUPS = 4  # depths 1, 2, 3 and 4+ are calibrated apart
 CONFIDENCE_EDGES = (0.3, 0.7)  # the drafter's conditional confidence: low, middle, high
 MAX_RATE = 0.999  # a calibrated conditional rate stays below 1: survival strictly falls along a path
 UNKNOWN_CONFIDENCE = 0.5  # a proposal without survival estimates: its record is per depth only
-REASK = 8  # a drafter expected to be slower is still asked every REASK-th round
+REASK = 8  # a drafter expected to be slower is still asked after REASK rounds (module docstring)
+MAX_REASK = 64
 
 
 class DraftRecord:
@@ -180,6 +183,7 @@ class VerifyLength:
         self.round_tokens: float | None = None  # decayed means of the drafter's sized rounds (its own drafts)
         self.round_rows: float | None = None
         self.skips = 0  # rounds in a row that skipped the drafter
+        self.reask = REASK  # rounds skipped before the drafter is asked anyway
         self.pending: dict[int, tuple[object, int, list[int], list[int], list[float]]] = {}
 
     def _mean(self, old: float | None, new: float) -> float:
@@ -204,10 +208,14 @@ class VerifyLength:
         return self.round_tokens / (c0 + c1 * self.round_rows)
 
     def should_skip(self, cost: tuple[float, float], rate_without: float) -> bool:
-        """True when the drafter is expected to be slower than `rate_without` (asked every REASK-th time)."""
+        """True when the drafter is expected to be slower than `rate_without` (asked anyway after
+        `reask` skipped rounds, a gap that doubles while it keeps not paying)."""
         rate = self.drafter_rate(cost)
-        if rate is None or rate >= rate_without or self.skips + 1 >= REASK:
-            self.skips = 0
+        if rate is None or rate >= rate_without:
+            self.skips, self.reask = 0, REASK
+            return False
+        if self.skips + 1 >= self.reask:
+            self.skips, self.reask = 0, min(2 * self.reask, MAX_REASK)
             return False
         self.skips += 1
         return True
@@ -244,4 +252,4 @@ class VerifyLength:
 
     def forget(self) -> None:
         self.pending.clear()
-        self.skips = 0
+        self.skips, self.reask = 0, REASK
