@@ -180,7 +180,7 @@ class DecodeStep:
         self.step_times = step_times
         # a lookup grafted onto a drafter (`WithLookup`) is fed every step, the drafter when it drafts
         self.split = hasattr(proposer, "observe_copies")
-        self.pending = DrafterBacklog()  # what the rows committed and the proposer has not ingested
+        self.pending = DrafterBacklog()  # lazy: what the rows committed and the proposer has not ingested
 
     def forget(self, row: int) -> None:
         """A row left: drop what it committed and the proposer has not seen."""
@@ -290,9 +290,10 @@ class DecodeStep:
     def _ingest(self, proposer, committed) -> None:
         if self.split:  # copies need every committed token before the next copy: now
             proposer.observe_copies([c[0] for c in committed], [c[1] for c in committed], [c[3] for c in committed])
-        self.pending.hold(*zip(*committed))
-        if not self.lazy:
-            self.flush(proposer)
+        if self.lazy:
+            self.pending.hold(*zip(*committed))
+        else:
+            (proposer.observe_drafter if self.split else proposer.observe)(*map(list, zip(*committed)))
 
     def flush(self, proposer) -> None:
         """Hand the proposer what the target committed since its last ingest, all rows in one call.

@@ -106,6 +106,9 @@ class OrtTargetModel:
                  fused: OrtGraph | None = None):
         self.graph = graph  # OrtGraph, or a LazyGraph when `fused` serves single streams
         self.fused = fused
+        # the fused graph runs attention over more rows than tokens (`specrt.export.ort_fused`,
+        # "attention rows"); folders exported before that cannot (read once: one-token calls ask)
+        self.takes_attention_rows = fused is not None and _takes_attention_rows(fused.spec)
         self.config = config
         self.exported_taps = tuple(int(i) for i in tap_layers)
         self.tap_layers = self.exported_taps
@@ -124,16 +127,6 @@ class OrtTargetModel:
         # ~one row's cost, for plain decoding on int8-activation engines whose fused graph takes it
         self.attention_row_decode = False
 
-    @property
-    def takes_attention_rows(self) -> bool:
-        """The fused graph runs attention over more rows than tokens (`specrt.export.ort_fused`,
-        "attention rows"); folders exported before that cannot."""
-        from specrt.export.ort_fused import ATTENTION_ROWS_DIM
-
-        if self.fused is None:
-            return False
-        shape = next((i["shape"] for i in self.fused.spec.get("inputs", []) if i["name"] == "position_ids"), [])
-        return len(shape) == 2 and shape[1] == ATTENTION_ROWS_DIM
 
     @property
     def exact_decode(self) -> bool:
@@ -259,6 +252,13 @@ class OrtTargetModel:
         out = self.fused.run(feeds, wanted, present, binding=k_cache.data_ptr())
         self.fused_calls += 1
         return out["logits"], out.get("taps") if self.tap_layers else None
+
+
+def _takes_attention_rows(spec: dict) -> bool:
+    from specrt.export.ort_fused import ATTENTION_ROWS_DIM
+
+    shape = next((i["shape"] for i in spec.get("inputs", []) if i["name"] == "position_ids"), [])
+    return len(shape) == 2 and shape[1] == ATTENTION_ROWS_DIM
 
 
 def with_attention_row(input_ids, position_ids, attn_mask, write_slots):

@@ -44,7 +44,7 @@ class DrafterBacklog:
             if waiting is None:
                 waiting = self.rows[b] = ([], [], [0])
             waiting[0].extend(int(t) for t in toks)
-            waiting[1].append(None if tap is None else tap.clone())  # the engine may reuse its buffers
+            waiting[1].append(tap)  # engines return fresh taps each forward: kept as they are
             waiting[2][0] = int(nxt)
         self.rounds += 1
 

@@ -40,9 +40,9 @@ this step gets without it: the copies alone at their best length, or a plain ste
 drafter is expected to be slower, the round verifies the copies alone (no drafter forward, as a
 confident copy already does). The drafter is asked anyway after `REASK` such rounds, so its
 estimates follow the text, and after twice as many each time it still does not pay (at most
-`MAX_REASK`): where it never pays (sampled text its drafts rarely match) its forward, and its catch-up
-on the rounds it sat out, cost a few percent of a round, not an eighth. `--drafter auto` measures its arms itself: a drafter arm that skips its drafter
-costs what the copies arm does.
+`MAX_REASK`): where it never pays (sampled text its drafts rarely match) its forward, and its
+catch-up on the rounds it sat out, cost a few percent of a round, not an eighth. `--drafter auto`
+measures its arms itself: a drafter arm that skips its drafter costs what the copies arm does.
 
 Lossless. Every choice here reads the committed history, past records, past step times and the
 drafter's own output, never this step's target output, and the target verifies whatever is left:
