@@ -31,6 +31,7 @@ give the same text. Row b of a batch generated with one seed uses `row_seed(seed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 from specrt.runtime.proposers.base import Proposal
@@ -39,6 +40,7 @@ from specrt.runtime.tree import node_depths
 from specrt.runtime.verify import verify_chain_greedy, verify_tree_greedy
 
 _MASK64 = (1 << 64) - 1
+NOISE_CACHE = 32  # noise vectors kept (about 200 KB each at a 49k vocabulary)
 
 
 def _stream_key(seed: int, index: int) -> int:
@@ -58,20 +60,31 @@ def row_seed(seed: int, row: int) -> int:
     return int(seed) if row == 0 else _stream_key(seed, -int(row))
 
 
+@lru_cache(maxsize=NOISE_CACHE)
 def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
-    """[V] float32 Gumbel(0, 1) noise of generated-token index `index` of a request with `seed`."""
+    """[V] float32 Gumbel(0, 1) noise of generated-token index `index` of a request with `seed`.
+
+    Cached (read-only: callers add to it, never write into it): a verify step draws the noise of
+    every index it checks, and the indices past the first rejection are checked again next step."""
     u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(_stream_key(seed, index)))
     return -torch.log(-torch.log(u))  # u == 0 gives -inf: that token is never the argmax
 
 
 def perturbed_scores(logits: torch.Tensor, params: SamplingParams, indices: Sequence[int]) -> torch.Tensor:
-    """logits [n, V] (row i predicts generated index indices[i]) -> log p + G, float32 [n, V]."""
+    """logits [n, V] (row i predicts generated index indices[i]) -> logits / T + G, float32 [n, V],
+    -inf where top-k / top-p keep no mass.
+
+    On the tokens p keeps, log p = logits / T - logsumexp (a constant per row), so this has the
+    argmax of log p + G without the softmax and the log (a third of a plain sampled step's host time)."""
     if params.seed is None or params.greedy:
         raise ValueError("perturbed scores are for seeded sampling (temperature > 0 and a seed)")
-    scores = torch.log(probabilities(logits, params))
+    scores = logits.float() / params.temperature
+    if params.top_k or params.top_p < 1.0:
+        scores = scores.masked_fill(probabilities(logits, params) == 0, float("-inf"))
     vocab = int(scores.shape[-1])
-    noise = {i: gumbel_noise(params.seed, i, vocab) for i in set(indices)}
-    return scores + torch.stack([noise[i] for i in indices]).to(scores.device)
+    if len(indices) == 1:
+        return scores + gumbel_noise(params.seed, indices[0], vocab).to(scores.device)
+    return scores + torch.stack([gumbel_noise(params.seed, i, vocab) for i in indices]).to(scores.device)
 
 
 def seeded_token(logits: torch.Tensor, params: SamplingParams, index: int) -> int:

@@ -26,7 +26,7 @@ verification); the step only decides how much work a token costs.
 
 The proposer contract is `specrt.runtime.proposers.base.Proposer` (propose / observe / the
 `Proposal` type); optional hooks a proposer may have: `observe_copies` / `observe_drafter` /
-`propose_copies` (a grafted lookup, fed apart), `observe_step_time` (measured forward seconds per
+`propose_copies` (a grafted lookup, fed apart), `observe_step_time` (measured forward and acceptance seconds per
 batch and verify length), `block_size` (a block drafter: it drafts every row in one forward).
 """
 
@@ -168,7 +168,7 @@ class DecodeStep:
 
     lazy: hold committed tokens until the next drafting step (the serving draft gate); else the
     proposer ingests them at the end of every step. draft_generator: the coins sampled drafts are
-    drawn with. step_times: report each forward's seconds to a proposer with `observe_step_time`
+    drawn with. step_times: report each verify (forward and acceptance) seconds to a proposer with `observe_step_time`
     (off where a scheduler sizes the verify step itself).
     """
 
@@ -227,13 +227,13 @@ class DecodeStep:
             logits, taps = engine.forward(ids, positions, mask)
         t2 = time.perf_counter()
         report.positions = int(ids.shape[0] * ids.shape[1])
-        timer = getattr(proposer, "observe_step_time", None) if self.step_times else None
-        if timer is not None:
-            timer(int(ids.shape[0]), int(ids.shape[1]), t2 - t1)
+        accepting = 0.0  # seconds spent choosing the tokens: part of what a verified row costs
         committed = []  # (row, tokens the target kept, their taps, the next anchor) of rows that go on
         for r in rows:
             p = proposals[r.row]
+            t_accept = time.perf_counter()
             path, bonus = r.rule.accept(p, logits[r.row], r.generated)
+            accepting += time.perf_counter() - t_accept
             keep = kv_keep_indices(path)
             engine.commit(r.row, keep)
             accepted = [int(p.tokens[i]) for i in path]
@@ -251,6 +251,11 @@ class DecodeStep:
                     row_taps = taps[r.row, keep[0]:keep[-1] + 1] if contiguous else taps[r.row, keep]
                 committed.append((r.row, [previous] + accepted, row_taps, bonus))
         t3 = time.perf_counter()
+        timer = getattr(proposer, "observe_step_time", None) if self.step_times else None
+        if timer is not None:
+            # a verify step's cost: the forward and the acceptance, which reads every verified row (a
+            # sampled row draws noise or probabilities per row: host time that grows with the step)
+            timer(int(ids.shape[0]), int(ids.shape[1]), t2 - t1 + accepting)
         if committed:
             self._ingest(proposer, committed)
         t4 = time.perf_counter()

@@ -118,23 +118,24 @@ class OrtEngines:
         return proposer_for(self.drafter_kind, self.drafter, options, chain_only=self.target.two_row_decode)
 
 
-def spinning_policy(options: SessionOptions, drafting: bool) -> tuple[SessionOptions, SessionOptions]:
+def spinning_policy(options: SessionOptions) -> tuple[SessionOptions, SessionOptions]:
     """(target graph options, drafter graph options) where the caller left `spinning` to us (None).
 
     The target's pool spins between the kernels of a call (ORT's default, and onnxruntime-genai's): a
     one-token call runs ~400 small kernels, and waking a sleeping thread for each costs ~25% of it on
-    idle cores. With a drafter loaded the pool stops spinning as soon as its call returns, so it leaves
-    the cores to the drafter's calls, and the drafter's graphs never spin. Measured on the int4 EAGLE-3
-    folder, each configuration in its own process on 2 idle cores: verify 11.5 ms a round against 15.9
-    without spinning, 1.29x the tokens per second. On cores other processes keep busy, spinning threads
-    lose their time slices and the same calls run up to 2x slower: set `spinning=False` there. A user
-    who sets `spinning` gets it on every graph."""
+    idle cores. The drafter's graphs never spin: two spinning pools on the same cores take turns at
+    them (measured on the int4 EAGLE-3 folder, 6 MT-bench prompts, greedy: 1.39x plain with both
+    spinning against 1.72x). Stopping the target's spinning as soon as its call returns (ORT's
+    session.force_spinning_stop) measured no faster with a drafter loaded (greedy: 1.72x either way on
+    EAGLE-3, 1.77x against 1.80x on DSpark) and slower where the drafter seldom runs (temperature 1,
+    EAGLE-3: 0.91x of plain against 0.95x): the next one-token call then wakes its threads. On cores
+    other processes keep busy, spinning threads lose their time slices and the same calls run up to 2x
+    slower: set `spinning=False` there. A user who sets `spinning` gets it on every graph."""
     import dataclasses
 
     if options.spinning is not None:
         return options, options
-    target = dataclasses.replace(options, spinning=True, stop_spinning_after_run=drafting)
-    return target, dataclasses.replace(options, spinning=False)
+    return dataclasses.replace(options, spinning=True), dataclasses.replace(options, spinning=False)
 
 
 def with_folder_lookup(options, folder, target=None, vocab_size: int | None = None):
@@ -209,7 +210,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     manifest = load_manifest(folder, verify_checksums=verify_checksums)
     data = manifest.data
     drafting = with_drafter and manifest.drafter_kind is not None
-    target_options, drafter_options = spinning_policy(options, drafting)
+    target_options, drafter_options = spinning_policy(options)
     dtype_name = (data.get("export") or {}).get("dtype", "float32")
     if dtype_name not in _CACHE_DTYPES:
         raise SpecrtError(f"{folder}: weights of dtype {dtype_name!r} are not supported by the ORT backend",

@@ -51,9 +51,6 @@ class SessionOptions:
     # waking a sleeping thread for each costs ~25% of a one-token int4 call on 2 idle cores. None:
     # load_engines decides per graph (`spinning_policy`)
     spinning: bool | None = None
-    # stop spinning as soon as a call returns (ORT's session.force_spinning_stop): the pool spins within
-    # a call only, so it leaves the cores to the drafter's calls and the loop's Python between calls
-    stop_spinning_after_run: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_PROVIDERS:
@@ -92,8 +89,6 @@ def _session_options(opts: SessionOptions):
         so.intra_op_num_threads = int(opts.threads)
     # spinning only when asked (see SessionOptions.spinning and ort_backend.spinning_policy)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.spinning else "0")
-    if opts.spinning and opts.stop_spinning_after_run:
-        so.add_session_config_entry("session.force_spinning_stop", "1")
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.enable_profiling = opts.profile

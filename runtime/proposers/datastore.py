@@ -26,7 +26,7 @@ store never affects what is emitted, only how fast.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -132,12 +132,18 @@ class NgramDatastore:
                 return int(self.next_tokens[i]), n + 1
         return -1, 0
 
-    def chain(self, history: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
-        """(greedy walk of up to max_tokens stored continuations, match length of its first token)."""
+    def chain(self, history: Sequence[int], max_tokens: int,
+              go_on: Callable[[int, int], bool] | None = None) -> tuple[list[int], int]:
+        """(greedy walk of up to max_tokens stored continuations, match length of its first token).
+
+        go_on(first match length, tokens so far): whether a next token is worth a lookup (each costs
+        ~20 us of hashing and search); the first is always looked up."""
         tail = list(history[-self.max_match:])
         out: list[int] = []
         first = 0
         while len(out) < max_tokens:
+            if out and go_on is not None and not go_on(first, len(out)):
+                break
             token, match = self.next_token(tail)
             if match == 0 or (out and match < self.min_continue):
                 break

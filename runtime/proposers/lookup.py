@@ -88,6 +88,8 @@ if TYPE_CHECKING:
     from specrt.runtime.proposers.lookup_prior import LookupPrior
 
 STORE_MAX_TOKENS = 8  # copies from the datastore per step at most (its hit rates fall fast with depth)
+SCALE_PSEUDO = 2.0  # pseudo first copies behind the prior's scale (`HitRecord`): it moves after a few
+MAX_PRIOR_RATE = 0.99  # a scaled prior rate stays a probability
 
 
 class NgramIndex:
@@ -128,22 +130,38 @@ class HitRecord:
     """Per match length n and draft depth d: how often a copied token matched what the target committed.
 
     A 1-token match is a weak cue (its first copy is right ~1 time in 5 on MT-bench), a 6-token one
-    is a loop (right ~19 times in 20): the rates are kept per match length, capped at max_match."""
+    is a loop (right ~19 times in 20): the rates are kept per match length, capped at max_match.
+
+    The calibrated prior describes the text it was replayed on (greedy answers to the calibration
+    prompts). A request's text can be far less copyable (sampled at temperature 1, copies are right
+    a third as often) or more, and 16 pseudo-trials per cell would take dozens of rounds per cell to
+    unlearn. So the prior's rates are scaled per source (the request's own text, the store) by how
+    its first copies have fared against the prior so far in this record: (hits + 2) / (prior's
+    expected hits + 2), one number learned from every first copy, while each cell's own counts
+    take over as they grow."""
 
     trials: dict[int, list[int]] = field(default_factory=dict)
     hits: dict[int, list[int]] = field(default_factory=dict)
     prior: "LookupPrior | None" = None  # calibrated rates (lookup_prior.py); None: Beta(1, 1)
+    # per source (True: the store), first copies: [hits, the prior's expected hits]
+    first: dict[bool, list[float]] = field(default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})
+
+    def prior_scale(self, match: int) -> float:
+        """How this record's first copies from `match`'s source fared against the prior (1: as calibrated)."""
+        hits, expected = self.first[match < 0]
+        return (hits + SCALE_PSEUDO) / (expected + SCALE_PSEUDO)
 
     def rate(self, match: int, depth: int) -> float:
         """P(copy at depth d right | the d-1 before it right) after a match of length `match`;
-        depth counts from 1. Without a record: the calibrated prior's rate (weight w pseudo-trials),
-        or a Beta(1, 1) prior."""
+        depth counts from 1. Without a record: the calibrated prior's rate (weight w pseudo-trials,
+        scaled as the class docstring says), or a Beta(1, 1) prior."""
         trials = self.trials.get(match, ())
         n, k = (trials[depth - 1], self.hits[match][depth - 1]) if depth <= len(trials) else (0, 0)
         if self.prior is None:
             return (k + 1) / (n + 2)
         w = self.prior.weight
-        return (k + w * self.prior.rate(match, depth)) / (n + w)
+        p = min(self.prior.rate(match, depth) * self.prior_scale(match), MAX_PRIOR_RATE)
+        return (k + w * p) / (n + w)
 
     def survival(self, match: int, n: int, start: float = 1.0) -> list[float]:
         """P(copies 1..d all right) for d = 1..n, times `start` (the parent's survival)."""
@@ -157,6 +175,10 @@ class HitRecord:
         """drafted: the copied chain; truth: the tokens the target emitted after the same anchor."""
         trials = self.trials.setdefault(match, [])
         hits = self.hits.setdefault(match, [])
+        if self.prior is not None and drafted and truth:
+            first = self.first[match < 0]
+            first[0] += int(drafted[0]) == int(truth[0])
+            first[1] += self.prior.rate(match, 1)
         for i, (d, t) in enumerate(zip(drafted, truth)):
             if len(trials) <= i:
                 trials.append(0)
@@ -229,24 +251,51 @@ class NgramLookup:
             keep += 1
         return keep
 
-    def chain(self, row: int, cost: tuple[float, float] | None = None) -> LookupChain:
+    def chain(self, row: int, cost: tuple[float, float] | None = None,
+              walk_cost: tuple[float, float] | None = None) -> LookupChain:
         """Row's copy, cut where its estimated survival falls below the threshold, or, with a step
         cost line (c0, c1; `step_cost.py`), at the length that maximises expected tokens per second.
+        The candidates stay in `candidates[row]` (scored once the target answers; `pick` sizes them
+        again at another cost). walk_cost: the cheapest cost this round's candidates will be sized at
+        (default `cost`): the store's walk stops where no cut at that cost would keep a copy.
 
         The cut depends only on committed tokens, past records and past step times, never on this
         step's target output, so verification stays lossless."""
-        history = self.index[row].tokens
         tokens, match = self.index[row].continuation(self.max_tokens, self.min_match)
         candidates = [LookupChain(tokens, match, self.record.survival(match, len(tokens)))] if match else []
         if self.datastore is not None:
             # a store copy is rarely right for long (its text is another request's): 8 at most
-            stored, stored_match = self.datastore.chain(history, min(self.max_tokens, STORE_MAX_TOKENS))
+            floor, inclusive = self._floor(walk_cost or cost)
+
+            def go_on(first: int, taken: int) -> bool:
+                survival = self.record.survival(store_key(first), taken + 1)[-1]
+                return survival >= floor if inclusive else survival > floor
+
+            stored, stored_match = self.datastore.chain(self.index[row].tokens, min(self.max_tokens, STORE_MAX_TOKENS),
+                                                        go_on)
             if stored_match:
                 key = store_key(stored_match)
                 candidates.append(LookupChain(stored, key, self.record.survival(key, len(stored))))
         self.candidates[row] = candidates
+        return self.pick(row, cost)
+
+    def _floor(self, cost: tuple[float, float] | None) -> tuple[float, bool]:
+        """(survival, inclusive): a copy at or below it (below it, when inclusive) is never kept.
+
+        Threshold rule: copies are kept while their survival is at least the threshold. Cost rule
+        (`best_length`): survivals fall along a copy, and a last copy with survival s lowers a cut's
+        rate R iff s < c1 R (a tie keeps the shorter cut), so a copy with s <= c1 R0, R0 the rate of
+        a round that verifies nothing, is never kept."""
+        if cost is None:
+            return self.threshold, True
+        c0, c1 = cost
+        return c1 / (c0 + c1 * (2 if self.free_first else 1)), False
+
+    def pick(self, row: int, cost: tuple[float, float] | None = None) -> LookupChain:
+        """The row's candidate expecting the most accepted copies (per second, with a cost), cut."""
+        candidates = self.candidates[row]
         best, best_score = LookupChain([], 0, []), 0.0
-        for c in candidates:  # the candidate expecting the most accepted copies (per second, with a cost)
+        for c in candidates:
             if cost is not None:
                 keep, score = best_length(c.survival, cost, self.free_first)
             else:
@@ -474,7 +523,8 @@ class WithLookup:
         lookup, sizing, free_first = self.lookup, self.sizing, self.lookup.free_first
         history = lookup.index[0].tokens
         sizing.score(0, history)
-        copy = lookup.chain(0, cost)  # sized for a round without the drafter
+        # sized for a round without the drafter; the store walks as far as a round with it could use
+        copy = lookup.chain(0, cost, sizing.with_draft(cost))
         self.last_chains[0] = copy
         alone_rate = best_length(copy.survival, cost, free_first)[1]
         confident = bool(copy.survival) and copy.survival[0] >= self.alone_above
@@ -509,12 +559,17 @@ class WithLookup:
             return own
         # engines exact on trees: the copy (sized with the drafter's cost in) grafted on, the tree cut whole
         p = Proposal(p.tokens, p.parents, p.draft_probs, p.is_chain, p.depth, torch.tensor(survival, dtype=torch.float32))
-        tree = graft_tree(p, lookup.chain(0, with_draft))
+        tree = graft_tree(p, lookup.pick(0, with_draft))
         return sized(tree, tree.survival.tolist(), with_draft, free_first)[0]
+
+
+NO_COPY = Proposal.chain(torch.zeros(0, dtype=torch.long), None, torch.zeros(0))  # shared: proposals are never written
 
 
 def copy_proposal(chain: LookupChain) -> Proposal:
     """A copy as a chain of point-mass drafts with its survival estimates."""
+    if not chain.tokens:
+        return NO_COPY
     return Proposal.chain(torch.tensor(chain.tokens, dtype=torch.long), None,
                           torch.tensor(chain.survival, dtype=torch.float32))
 

@@ -26,15 +26,22 @@ class StepCost:
         self.decay, self.min_samples, self.weight_cap = float(decay), int(min_samples), int(weight_cap)
         self.mean: dict[tuple[int, int], float] = {}
         self.count: dict[tuple[int, int], int] = {}
+        self.lines: dict[int, tuple[float, float] | None] = {}  # per batch size, until the next observe
 
     def observe(self, batch: int, positions: int, seconds: float) -> None:
         key = (int(batch), int(positions))
         old = self.mean.get(key)
         self.mean[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         self.count[key] = self.count.get(key, 0) + 1
+        self.lines.pop(key[0], None)
 
     def line(self, batch: int = 1) -> tuple[float, float] | None:
         """(c0, c1) with cost(T) ~ c0 + c1 T for this batch size, or None while too little is known."""
+        if batch not in self.lines:
+            self.lines[batch] = self._fit(batch)
+        return self.lines[batch]
+
+    def _fit(self, batch: int) -> tuple[float, float] | None:
         pts = [(t, m, min(self.count[(b, t)], self.weight_cap)) for (b, t), m in self.mean.items()
                if b == batch and self.count[(b, t)] >= self.min_samples]
         if len({t for t, _, _ in pts}) < 2:
