@@ -14,7 +14,7 @@ from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.auto import AutoProposer
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.lookup import LookupProposer, WithLookup
-from specrt.runtime.proposers.verify_length import DraftRecord, VerifyLength, sized, tree_order
+from specrt.runtime.proposers.verify_length import MAX_IDLE, DraftRecord, IdleRounds, VerifyLength, sized, tree_order
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative
 from specrt.runtime.tree import check_parents
@@ -63,9 +63,20 @@ def plain_text(target, prompt: list[int]) -> list[int]:
     return _plain(target, tuple(prompt))
 
 
-def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N):
-    """Generate with a fixed cost line; returns (tokens, [(inner proposal, returned proposal) per drafter round])."""
+class NeverIdle(IdleRounds):
+    """Every round is sized (the sizing tests look at what sizing does, not at whether it runs)."""
+
+    def idle(self) -> bool:
+        self.sized = True
+        return False
+
+
+def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N, idle=False, seeded_sampling="stream"):
+    """Generate with a fixed cost line; returns (tokens, [(inner proposal, returned proposal) per drafter round]).
+    idle: keep the proposer's idle rounds (else every round is sized)."""
     proposer.step_cost = FixedCost(cost)
+    if not idle:
+        proposer.idle = NeverIdle()
     rounds: list[list[Proposal]] = []
     inner, outer = proposer.inner.propose, WithLookup.propose
 
@@ -85,7 +96,7 @@ def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N):
     proposer.propose = outer_propose.__get__(proposer)
     try:
         result = generate_speculative(TorchTargetEngine(target, 256, 1), proposer, [prompt], n, sampling,
-                                      seeded_sampling="stream")
+                                      seeded_sampling=seeded_sampling)
     finally:
         del proposer.inner.propose, proposer.propose
     return result.tokens[0], [tuple(r) for r in rounds if len(r) == 2]
@@ -131,6 +142,34 @@ def test_sampled_requests_are_not_sized_by_the_clock(target, kind):
             assert out.tokens[:len(inner)].tolist() == inner.tokens.tolist() or proposer.chain_only
         assert not proposer.sizing.pending  # nothing recorded from sampled rounds
     assert texts[0] == texts[1] and drafted[0] == drafted[1]
+
+
+def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
+    """Where a plain step costs next to nothing (a microsecond here), no accepted draft pays for
+    sizing a round: after the first sized rounds, rounds run as plain steps (no drafter, no lookup)
+    in gaps that double up to MAX_IDLE, and the text is the seed's (temperature 1, seeded rule).
+    Where a step costs a second, copies accepted in a greedy loop keep every round sized."""
+    n = 96
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    want = plain(target, [PROMPTS[0]], n, sampled)[0]
+    proposer = MAKERS["eagle3-tree"](target)
+    tokens, rounds = run(target, proposer, PROMPTS[0], (1e-6, 1e-7), sampled, n, idle=True, seeded_sampling="noise")
+    assert tokens == want
+    assert proposer.idle.gap == MAX_IDLE
+    assert len(rounds) < n // 4  # the drafter ran in few rounds
+    proposer.idle.left = 0
+    assert not proposer.idle.idle()
+    proposer.idle.observe_sizing(1e-4, 5e-3)  # a 5 ms step, and a round that accepts drafts:
+    proposer.idle.observe_accepted(3)  # the next one is sized
+    assert proposer.idle.gap == 2 and proposer.idle.left == 0 and not proposer.idle.idle()
+
+    loopy = MAKERS["eagle3-tree"](target)
+    calls = []
+    idle = loopy.idle.idle
+    loopy.idle.idle = lambda: calls.append(idle()) or calls[-1]
+    tokens, _ = run(target, loopy, LOOPY[0], CHEAP, idle=True)
+    assert tokens == plain_text(target, LOOPY[0])
+    assert calls and not any(calls)
 
 
 def test_turning_the_cut_off_verifies_whole_proposals(target):

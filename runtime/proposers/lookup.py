@@ -81,7 +81,7 @@ from specrt.runtime.sampling import SamplingParams
 
 from specrt.runtime.proposers.datastore import store_key
 from specrt.runtime.proposers.step_cost import StepCost, best_length
-from specrt.runtime.proposers.verify_length import VerifyLength, conditionals, sized
+from specrt.runtime.proposers.verify_length import IdleRounds, VerifyLength, conditionals, sized
 
 if TYPE_CHECKING:
     from specrt.runtime.proposers.datastore import NgramDatastore
@@ -326,6 +326,7 @@ class LookupProposer:
         self.tree = bool(tree)
         self.max_drafts = 2 * self.lookup.max_tokens if self.tree else self.lookup.max_tokens
         self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
+        self.idle = IdleRounds()  # rounds whose lookup does not pay for itself run as plain steps
 
     @property
     def lengths(self) -> list[int]:
@@ -337,6 +338,7 @@ class LookupProposer:
 
     def reset(self, batch_size: int, capacity: int) -> None:
         self.lookup.reset(batch_size)
+        self.idle.forget()
 
     def reset_row(self, row: int) -> None:
         self.lookup.reset_row(row)
@@ -346,6 +348,8 @@ class LookupProposer:
 
     def observe(self, rows, tokens, taps, next_tokens) -> None:
         self.lookup.observe(rows, tokens, next_tokens)
+        if list(rows) == [0] and self.batch_size == 1:
+            self.idle.observe_accepted(len(tokens[0]) - 1)
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         self.step_cost.observe(batch, positions, seconds)
@@ -354,6 +358,10 @@ class LookupProposer:
         # measured costs choose the copy length for greedy requests only: a sampled request's drafts
         # must not depend on timing (its random stream would be consumed differently run to run)
         cost = self.step_cost.line(self.batch_size) if sampling.greedy else None
+        alone = cost is not None and self.batch_size == 1 and list(rows) == [0]
+        if alone and self.idle.idle():  # `verify_length.IdleRounds`
+            return [NO_COPY]
+        start = time.perf_counter()
         out = []
         for b in rows:
             best = self.lookup.chain(b, cost)
@@ -361,6 +369,8 @@ class LookupProposer:
             if self.tree and best.tokens:
                 p = self._with_second_branch(p, best, b, cost)
             out.append(p)
+        if alone:
+            self.idle.observe_sizing(time.perf_counter() - start, cost[0] + cost[1])
         return out
 
     def _with_second_branch(self, p: Proposal, best: LookupChain, row: int, cost) -> Proposal:
@@ -402,6 +412,7 @@ class WithLookup:
         # keeps the threshold rules alone (the benchmark toggles it to compare)
         self.step_cost = StepCost()  # the loop reports its verify step times (observe_step_time)
         self.sizing = VerifyLength()
+        self.idle = IdleRounds()  # sized rounds that do not pay for their sizing run as plain steps
         self.cost_cut = True
         # committed tokens the drafter ingests only when it next drafts (`backlog.py`)
         self.backlog = DrafterBacklog(inner)
@@ -433,6 +444,7 @@ class WithLookup:
         self.inner.reset(batch_size, capacity)
         self.lookup.reset(batch_size)
         self.sizing.forget()
+        self.idle.forget()
         self.backlog.drop()
 
     def reset_row(self, row: int) -> None:
@@ -475,6 +487,8 @@ class WithLookup:
 
     def observe_copies(self, rows, tokens, next_tokens) -> None:
         self.lookup.observe(rows, tokens, next_tokens)
+        if list(rows) == [0] and self.batch_size == 1:
+            self.idle.observe_accepted(len(tokens[0]) - 1)
 
     def propose_copies(self, rows) -> list[Proposal]:
         """The copies alone, no drafter forward (serving, while its draft gate is closed)."""
@@ -486,7 +500,12 @@ class WithLookup:
         cost = self.step_cost.line(1) if (self.cost_cut and sampling.greedy and self.batch_size == 1
                                           and list(rows) == [0]) else None
         if cost is not None:
-            return [self._sized_round(anchors[0], sampling, generator, cost)]
+            if self.idle.idle():
+                return [NO_COPY]
+            start = time.perf_counter()
+            p = self._sized_round(anchors[0], sampling, generator, cost)
+            self.idle.observe_sizing(time.perf_counter() - start, cost[0] + cost[1])
+            return [p]
         chains = {b: self.lookup.chain(b) for b in rows}
         # this step's copies, per row: the serving gate compares the drafter against them alone
         # (one dict shared with prefix views, so every sampling group's call lands in it)
