@@ -289,3 +289,22 @@ def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
     assert cli_generate.run(args) == 0
     err = capsys.readouterr().err
     assert "note: slowdrafter ran at" in err and "--drafter auto" in err
+
+
+def test_plain_rounds_verify_the_copies_their_cost_cut_keeps(target):
+    """A plain round runs no drafter, but verifies the copies the lookup's own cost cut keeps: on a
+    looping prompt with cheap rows the plain arm emits several tokens a round, with rows that cost
+    more than any copy can return it verifies nothing; greedy output is plain decoding's either way."""
+    from test_verify_length import FixedCost
+
+    want = plain(target, LOOPY[:1], 48)
+    taus = []
+    for line in ((1.0, 0.01), (1.0, 100.0)):
+        copies = LookupProposer()
+        copies.step_cost = FixedCost(line)
+        clock = FakeClock()
+        auto = AutoProposer(copies, pinned=PLAIN, clock=clock)
+        result = _run(target, auto, LOOPY[:1], 48, clock)
+        assert result.tokens == want
+        taus.append(result.stats[0].round_tokens / result.stats[0].rounds)
+    assert taus[0] > 1.5 and taus[1] == 1.0

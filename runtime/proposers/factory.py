@@ -79,7 +79,7 @@ def measured_proposer(options: DraftOptions, drafter=None, pinned: str | None = 
     measured against the others in probe rounds (`specrt.runtime.proposers.auto`)."""
     from specrt.runtime.proposers.auto import AutoProposer
 
-    return AutoProposer(lookup_proposer(options), drafter, pinned)
+    return AutoProposer(lookup_proposer(options), drafter, pinned, alone_above=options.lookup_alone_above)
 
 
 def lookup_proposer(options: DraftOptions):

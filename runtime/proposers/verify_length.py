@@ -220,6 +220,7 @@ class IdleRounds:
         """The drafts the target accepted in the last round; after a sized one, the idle decision."""
         if not self.sized or self.seconds is None:
             return
+        self.sized = False  # scored once: a round of another arm (`--drafter auto`) is not this one's
         self.accepted = self._mean(self.accepted, float(drafts))
         self.rounds += 1
         if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds:
