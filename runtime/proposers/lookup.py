@@ -88,8 +88,6 @@ if TYPE_CHECKING:
     from specrt.runtime.proposers.lookup_prior import LookupPrior
 
 STORE_MAX_TOKENS = 8  # copies from the datastore per step at most (its hit rates fall fast with depth)
-SCALE_PSEUDO = 2.0  # pseudo first copies behind the prior's scale (`HitRecord`): it moves after a few
-MAX_PRIOR_RATE = 0.99  # a scaled prior rate stays a probability
 
 
 class NgramIndex:
@@ -130,38 +128,22 @@ class HitRecord:
     """Per match length n and draft depth d: how often a copied token matched what the target committed.
 
     A 1-token match is a weak cue (its first copy is right ~1 time in 5 on MT-bench), a 6-token one
-    is a loop (right ~19 times in 20): the rates are kept per match length, capped at max_match.
-
-    The calibrated prior describes the text it was replayed on (greedy answers to the calibration
-    prompts). A request's text can be far less copyable (sampled at temperature 1, copies are right
-    a third as often) or more, and 16 pseudo-trials per cell would take dozens of rounds per cell to
-    unlearn. So the prior's rates are scaled per source (the request's own text, the store) by how
-    its first copies have fared against the prior so far in this record: (hits + 2) / (prior's
-    expected hits + 2), one number learned from every first copy, while each cell's own counts
-    take over as they grow."""
+    is a loop (right ~19 times in 20): the rates are kept per match length, capped at max_match."""
 
     trials: dict[int, list[int]] = field(default_factory=dict)
     hits: dict[int, list[int]] = field(default_factory=dict)
     prior: "LookupPrior | None" = None  # calibrated rates (lookup_prior.py); None: Beta(1, 1)
-    # per source (True: the store), first copies: [hits, the prior's expected hits]
-    first: dict[bool, list[float]] = field(default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})
-
-    def prior_scale(self, match: int) -> float:
-        """How this record's first copies from `match`'s source fared against the prior (1: as calibrated)."""
-        hits, expected = self.first[match < 0]
-        return (hits + SCALE_PSEUDO) / (expected + SCALE_PSEUDO)
 
     def rate(self, match: int, depth: int) -> float:
         """P(copy at depth d right | the d-1 before it right) after a match of length `match`;
-        depth counts from 1. Without a record: the calibrated prior's rate (weight w pseudo-trials,
-        scaled as the class docstring says), or a Beta(1, 1) prior."""
+        depth counts from 1. Without a record: the calibrated prior's rate (weight w pseudo-trials),
+        or a Beta(1, 1) prior."""
         trials = self.trials.get(match, ())
         n, k = (trials[depth - 1], self.hits[match][depth - 1]) if depth <= len(trials) else (0, 0)
         if self.prior is None:
             return (k + 1) / (n + 2)
         w = self.prior.weight
-        p = min(self.prior.rate(match, depth) * self.prior_scale(match), MAX_PRIOR_RATE)
-        return (k + w * p) / (n + w)
+        return (k + w * self.prior.rate(match, depth)) / (n + w)
 
     def survival(self, match: int, n: int, start: float = 1.0) -> list[float]:
         """P(copies 1..d all right) for d = 1..n, times `start` (the parent's survival)."""
@@ -175,10 +157,6 @@ class HitRecord:
         """drafted: the copied chain; truth: the tokens the target emitted after the same anchor."""
         trials = self.trials.setdefault(match, [])
         hits = self.hits.setdefault(match, [])
-        if self.prior is not None and drafted and truth:
-            first = self.first[match < 0]
-            first[0] += int(drafted[0]) == int(truth[0])
-            first[1] += self.prior.rate(match, 1)
         for i, (d, t) in enumerate(zip(drafted, truth)):
             if len(trials) <= i:
                 trials.append(0)
