@@ -291,20 +291,23 @@ def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
     assert "note: slowdrafter ran at" in err and "--drafter auto" in err
 
 
-def test_plain_rounds_verify_the_copies_their_cost_cut_keeps(target):
-    """A plain round runs no drafter, but verifies the copies the lookup's own cost cut keeps: on a
-    looping prompt with cheap rows the plain arm emits several tokens a round, with rows that cost
-    more than any copy can return it verifies nothing; greedy output is plain decoding's either way."""
+def test_a_round_chosen_to_run_plain_runs_the_copies_that_pay(target):
+    """Every round is chosen plain here, but where the lookup's own cost cut keeps a copy the round runs
+    the copies (counted as a copies round): on a looping prompt with cheap rows that is most rounds,
+    with rows that cost more than any copy returns none; greedy output is plain decoding's either way."""
     from test_verify_length import FixedCost
 
     want = plain(target, LOOPY[:1], 48)
-    taus = []
+    taus, copy_rounds = [], []
     for line in ((1.0, 0.01), (1.0, 100.0)):
         copies = LookupProposer()
         copies.step_cost = FixedCost(line)
         clock = FakeClock()
-        auto = AutoProposer(copies, pinned=PLAIN, clock=clock)
+        auto = AutoProposer(copies, clock=clock)
+        auto._choose = lambda sampling: PLAIN
         result = _run(target, auto, LOOPY[:1], 48, clock)
         assert result.tokens == want
         taus.append(result.stats[0].round_tokens / result.stats[0].rounds)
-    assert taus[0] > 1.5 and taus[1] == 1.0
+        copy_rounds.append(auto.summary().get("lookup", {}).get("rounds", 0))
+    assert taus[0] > 1.5 and copy_rounds[0] > 0
+    assert taus[1] == 1.0 and copy_rounds[1] == 0

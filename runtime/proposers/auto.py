@@ -7,12 +7,9 @@ pays where it was trained and costs a forward pass every round, and where neithe
 step is the fastest. No fixed choice is right for every request, so the choice is measured.
 
 Arms (each one way to fill a round):
-  plain    no drafter: the round verifies the anchor alone (an empty proposal), or the copies where
-           their own rule says they pay (`_plain_round`): copies cost no forward, so a round
-           without the drafter never leaves a paying copy unverified
-  copies   drafts copied from the request's text and the folder's datastore (`LookupProposer`): at
-           batch 1 with greedy drafts the plain round's copies, plus a second branch on engines
-           exact on trees and its idle rounds (`verify_length.IdleRounds`)
+  plain    no drafts: the round verifies the anchor alone (an empty proposal). A round chosen to
+           run plain runs the copies instead where their own rule says one pays (`_paying_copies`)
+  copies   drafts copied from the request's text and the folder's datastore (`LookupProposer`)
   drafter  the folder's drafter, copies grafted on (`WithLookup`), where the folder has a drafter
 A round's cost is the wall time from one `propose` call to the next: drafting, the verify forward,
 acceptance and every bit of host work the round made the loop do. Its yield is the tokens the
@@ -194,13 +191,16 @@ class AutoProposer:
         if self.open is not None:
             self._close(now)
         arm = self._choose(sampling)
+        paying = self._paying_copies(rows, sampling) if arm == PLAIN else None
+        if paying is not None and self.pinned != PLAIN:
+            arm = COPIES  # a round without the drafter verifies the copies that pay: a copies round
         self.open, self.started, self.credit = arm, now, 0.0
         self.rates[arm].last = self.round
         self.round += 1
         if arm == PLAIN:
-            return self._plain_round(rows, sampling)
+            return [_EMPTY] * len(rows)
         if arm == COPIES:
-            return self.copies.propose(rows, anchors, sampling, generator)
+            return paying if paying is not None else self.copies.propose(rows, anchors, sampling, generator)
         self.backlog.clear_last()
         if self.backlog.drafter is self.drafter:  # WithLookup catches up itself, only if it drafts
             self.backlog.catch_up()
@@ -210,24 +210,31 @@ class AutoProposer:
         self.credit = seconds * (1.0 - 1.0 / max(rounds, 1))
         return proposals
 
-    def _plain_round(self, rows: Sequence[int], sampling: SamplingParams) -> list[Proposal]:
-        """No drafter. The copies are looked up anyway (a few dict reads per row; scored once the
-        target answers, so the copy record keeps learning), and verified where they pay by their own
-        rule: at batch 1 with greedy drafts and a measured step cost, the copy the cost cut keeps
-        (`NgramLookup.chain`; none where no copy pays, the common case away from repeated text), else
-        a confident copy (first copy at least `alone_above` likely). Measured on the int4 DSpark
-        folder, 8 HumanEval prompts: 1.30x plain decoding against 1.24x with plain rounds that verify
-        nothing, the copies' share of the text no longer waiting for a probe of the copies arm."""
+    def _paying_copies(self, rows: Sequence[int], sampling: SamplingParams) -> list[Proposal] | None:
+        """The copies of a round chosen to run plain, where they pay by their own rule, else None.
+
+        The copies are looked up in plain rounds anyway (a few dict reads per row): scored once the
+        target answers, the copy record keeps learning. Where the lookup's own rule keeps a copy (at
+        batch 1 with greedy drafts and a measured step cost: the copy the cost cut keeps, usually
+        none away from repeated text; else a confident copy, first copy at least `alone_above`
+        likely), the round runs the copies instead: they cost no forward, and verified they pay.
+        Measured on the int4 DSpark folder, 8 HumanEval prompts: auto 1.30x plain decoding against
+        1.24x with plain rounds that verify nothing (repeated text no longer waits for a probe of
+        the copies arm)."""
         lookup = getattr(self.copies, "lookup", None)
         if lookup is None:
-            return [_EMPTY] * len(rows)
+            return None
         step_cost = getattr(self.copies, "step_cost", None)
         if step_cost is not None and sampling.greedy and self.batch_size == 1 and list(rows) == [0]:
             cost = step_cost.line(1)
             if cost is not None:
-                return [copy_proposal(lookup.chain(0, cost))]
+                copy = lookup.chain(0, cost)
+                return [copy_proposal(copy)] if copy.tokens else None
         chains = [lookup.chain(b) for b in rows]
-        return [copy_proposal(c) if c.survival and c.survival[0] >= self.alone_above else _EMPTY for c in chains]
+        confident = [bool(c.survival) and c.survival[0] >= self.alone_above for c in chains]
+        if not any(confident):
+            return None
+        return [copy_proposal(c) if sure else _EMPTY for c, sure in zip(chains, confident)]
 
     # ---------------------------------------------------------------- measuring and choosing
     def _close(self, now: float) -> None:
