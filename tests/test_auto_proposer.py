@@ -311,3 +311,18 @@ def test_a_round_chosen_to_run_plain_runs_the_copies_that_pay(target):
         copy_rounds.append(auto.summary().get("lookup", {}).get("rounds", 0))
     assert taus[0] > 1.5 and copy_rounds[0] > 0
     assert taus[1] == 1.0 and copy_rounds[1] == 0
+
+
+def test_a_named_drafter_keeps_its_idle_rounds_under_auto(target):
+    """A named drafter runs as auto's pinned arm; its rounds still go idle where sizing cannot pay (a
+    plain step of a microsecond), which needs auto to score the drafter arm's rounds for it."""
+    from specrt.runtime.proposers.verify_length import MAX_IDLE
+    from test_verify_length import FixedCost
+
+    drafter = WithLookup(eagle3(target), max_tokens=5, threshold=0.0)
+    auto = AutoProposer(LookupProposer(), drafter, pinned=DRAFTER)
+    auto.copies.step_cost = drafter.step_cost = FixedCost((1e-6, 1e-7))
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    result = generate_speculative(TorchTargetEngine(target, 256, 1), auto, [PROMPTS[0]], 96, sampling)
+    assert result.tokens == plain(target, [PROMPTS[0]], 96, sampling)
+    assert drafter.idle.gap == MAX_IDLE

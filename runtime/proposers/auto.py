@@ -171,6 +171,11 @@ class AutoProposer:
                 next_tokens: Sequence[int]) -> None:
         if self.open is not None:
             self.round_tokens += sum(len(t) for t in tokens)
+            idle = getattr(self.drafter, "idle", None)
+            if idle is not None and self.batch_size == 1 and list(rows) == [0]:
+                # the drafter arm's idle rule (`verify_length.IdleRounds`) scores its own rounds only;
+                # the shared lookup is fed below, through the copies arm
+                idle.observe_accepted(len(tokens[0]) - 1)
         self.copies.observe(rows, tokens, taps, next_tokens)
         if self.inner is None:
             return
