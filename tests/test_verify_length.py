@@ -14,7 +14,7 @@ from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.auto import AutoProposer
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.lookup import LookupProposer, WithLookup
-from specrt.runtime.proposers.verify_length import MAX_IDLE, DraftRecord, IdleRounds, VerifyLength, sized, tree_order
+from specrt.runtime.proposers.verify_length import MAX_IDLE, MIN_SIZED, DraftRecord, IdleRounds, VerifyLength, sized, tree_order
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative
 from specrt.runtime.tree import check_parents
@@ -170,6 +170,26 @@ def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     tokens, _ = run(target, loopy, LOOPY[0], CHEAP, idle=True)
     assert tokens == plain_text(target, LOOPY[0])
     assert calls and not any(calls)
+
+
+def test_a_sized_round_pays_for_its_verify_rows_too():
+    """Drafts accepted now and then pay for the sizing but not for the rows verified to get them:
+    the round is slower than a plain step, so rounds idle. The same rounds verifying no extra rows
+    (the verify costs a plain step) stay sized."""
+    def rounds(verify_seconds: float) -> IdleRounds:
+        idle = IdleRounds()
+        for _ in range(MIN_SIZED):
+            assert not idle.idle()
+            idle.observe_sizing(1e-4, 5e-3)  # sizing 0.1 ms, a plain step 5 ms
+            idle.observe_verify(verify_seconds)
+            idle.observe_accepted(1 if _ % 10 == 9 else 0)  # a draft now and then: ~0.2 ms of plain steps
+        return idle
+
+    assert rounds(5e-3).left == 0
+    slow = rounds(7e-3)  # each sized round's verify runs 2 ms past a plain step
+    assert slow.left > 0 and slow.idle()
+    slow.forget()
+    assert slow.extra == 0.0 and slow.left == 0
 
 
 def test_turning_the_cut_off_verifies_whole_proposals(target):

@@ -189,6 +189,9 @@ class AutoProposer:
         timer = getattr(self.copies, "observe_step_time", None)
         if timer is not None:  # the copies size themselves by the step cost (step_cost.py)
             timer(batch, positions, seconds)
+        idle = getattr(self.drafter, "idle", None)
+        if idle is not None and batch == 1:  # the drafter arm's idle rule weighs its rounds' verify cost
+            idle.observe_verify(seconds)
 
     def propose(self, rows: Sequence[int], anchors: Sequence[int], sampling: SamplingParams,
                 generator: torch.Generator | None) -> list[Proposal]:

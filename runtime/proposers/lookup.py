@@ -331,6 +331,8 @@ class LookupProposer:
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         self.step_cost.observe(batch, positions, seconds)
+        if batch == 1:
+            self.idle.observe_verify(seconds)
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         # measured costs choose the copy length for greedy requests only: a sampled request's drafts
@@ -434,6 +436,8 @@ class WithLookup:
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         self.step_cost.observe(batch, positions, seconds)
+        if batch == 1:
+            self.idle.observe_verify(seconds)
 
     def prefix_view(self, hi: int) -> "WithLookup":
         """Rows 0..hi-1 (serving): the inner proposer's view over the same lookup state."""

@@ -45,13 +45,17 @@ catch-up on the rounds it sat out, cost a few percent of a round, not an eighth.
 measures its arms itself: a drafter arm that skips its drafter costs what the copies arm does.
 
 Idle rounds (`IdleRounds`). Sizing a round has its own cost: the lookups, the estimates, the
-drafter's re-asks and catch-ups, ~0.2 ms of a ~5 ms round on the int4 default. Where nothing pays
-(text sampled at temperature 1, which neither the copies nor the shipped drafters predict: ~0.03
-accepted drafts a round) that is a few percent slower than plain decoding for nothing. So the round
-is skipped whole, as a plain step, when the drafts accepted per sized round (a decayed mean, after
-`MIN_SIZED` sized rounds of the request) are worth less than the sizing costs (accepted drafts x a plain step's seconds < sizing seconds), for
-a gap of rounds that doubles from 2 to `MAX_IDLE` while that holds and resets once it does not.
-Greedy text that copies pay on accepts ~1-3 drafts a round and is never idle.
+drafter's re-asks and catch-ups, ~0.2 ms of a ~5 ms round on the int4 default; and a round that
+verifies drafts pays their rows whether they land or not. Where nothing pays (text sampled at
+temperature 1, which neither the copies nor the shipped drafters predict: ~0.03-0.1 accepted drafts
+a round, while the survival estimates, calibrated on greedy text, still verify a copy now and then)
+that is a few percent slower than plain decoding for nothing. So the round is skipped whole, as a
+plain step, when the drafts accepted per sized round (decayed means, after `MIN_SIZED` sized rounds
+of the request) are worth less than what a sized round costs beyond a plain step: accepted drafts x a
+plain step's seconds < sizing seconds + (the round's verify seconds - a plain step's), which is
+exactly where its tokens per second fall below plain decoding's. The gap of idle rounds doubles from
+2 to `MAX_IDLE` while that holds and resets once it does not. Greedy text that copies pay on accepts
+~1-3 drafts a round and is never idle.
 
 Lossless. Every choice here reads the committed history, past records, past step times and the
 drafter's own output, never this step's target output, and the target verifies whatever is left:
@@ -195,6 +199,7 @@ class IdleRounds:
         self.decay = float(decay)
         self.accepted: float | None = None  # decayed mean of the drafts accepted per sized round
         self.seconds: float | None = None  # decayed mean of a sizing's seconds
+        self.extra = 0.0  # decayed mean of a sized round's verify seconds beyond a plain step's
         self.plain_seconds = 0.0  # a one-token step's seconds at the last sizing
         self.left = 0  # idle rounds still to run
         self.gap = FIRST_IDLE
@@ -216,6 +221,12 @@ class IdleRounds:
         self.seconds = self._mean(self.seconds, seconds)
         self.plain_seconds = plain_seconds
 
+    def observe_verify(self, seconds: float) -> None:
+        """The last round's verify seconds (forward and acceptance), before its accepted drafts."""
+        if self.sized and self.seconds is not None:
+            extra = seconds - self.plain_seconds
+            self.extra = extra if self.rounds == 0 else self.decay * self.extra + (1 - self.decay) * extra
+
     def observe_accepted(self, drafts: int) -> None:
         """The drafts the target accepted in the last round; after a sized one, the idle decision."""
         if not self.sized or self.seconds is None:
@@ -223,13 +234,14 @@ class IdleRounds:
         self.sized = False  # scored once: a round of another arm (`--drafter auto`) is not this one's
         self.accepted = self._mean(self.accepted, float(drafts))
         self.rounds += 1
-        if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds:
+        if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds + self.extra:
             self.left, self.gap = self.gap, min(2 * self.gap, MAX_IDLE)
         else:
             self.gap = FIRST_IDLE
 
     def forget(self) -> None:
         self.accepted = self.seconds = None
+        self.extra = 0.0
         self.left, self.gap, self.sized, self.rounds = 0, FIRST_IDLE, False, 0
 
 
