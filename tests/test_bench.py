@@ -274,9 +274,28 @@ def test_the_peers_sample_the_whole_distribution_at_a_temperature(monkeypatch, t
 
     llama_cpp.Llama = Llama
     monkeypatch.setitem(sys.modules, "llama_cpp", llama_cpp)
+    monkeypatch.setattr(peers, "llamacpp_smoke", lambda gguf, threads: None)
     llama = peers.llamacpp_peer(tmp_path / "m.gguf", 2, 64)
     assert llama.generate([1, 2], 4, 1.0, 11) == 2
     assert calls[-2:] == [("seed", 11), ("llama", {"temp": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                                                    "typical_p": 1.0, "reset": True})]
     llama.generate([1, 2], 4)
     assert calls[-1] == ("llama", {"temp": 0.0, "top_k": 1, "reset": True})
+
+
+def test_a_llamacpp_that_crashes_is_reported_not_run(monkeypatch, tmp_path):
+    """A llama.cpp build that dies at its first decode (an AMX build where the machine grants no AMX
+    state) is found in a child process: the peer is reported with the rebuild command, the bench goes on."""
+    import subprocess
+    import sys
+    import types
+
+    from specrt.tools import peers
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    for code, err, want in ((-11, "", "signal 11"), (1, "ValueError: bad magic\n", "bad magic")):
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, "", err))
+        run = peers.llamacpp_peer(tmp_path / "m.gguf", 2, 64)
+        assert run.generate is None and want in run.note
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -11, "", ""))
+    assert "GGML_NATIVE=OFF" in peers.llamacpp_peer(tmp_path / "m.gguf", 2, 64).note

@@ -19,7 +19,10 @@ nucleus path, which at p = 1 keeps every token; its config's default top_k is 50
 `set_seed` before the request (its sampler chain is built per `generate` call from that seed).
 
 A peer that is not installed is reported as missing with the pip command that installs it; the
-bench goes on with the rest.
+bench goes on with the rest. So is a llama.cpp that crashes: `pip install llama-cpp-python` compiles
+llama.cpp for the CPU it runs on, AMX kernels included where the CPU reports AMX, and a virtual
+machine that does not grant AMX state kills the process with a segmentation fault at the first
+decode. A short decode in a child process (`llamacpp_smoke`) finds that before the bench loads it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ from typing import Callable, Sequence
 
 PEERS = ("torch", "llama.cpp", "ort-genai", "ort-genai-fp32")  # ort-genai: its int4 build
 INSTALL = {"llama.cpp": "pip install llama-cpp-python", "ort-genai": "pip install onnxruntime-genai"}
+# llama.cpp built without AMX (and without -march=native), for machines where the native build crashes
+LLAMACPP_PORTABLE = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                     "-DGGML_AVX512_VNNI=ON\" pip install --force-reinstall --no-deps --no-binary llama-cpp-python "
+                     "--no-cache-dir llama-cpp-python")
+_LLAMACPP_SMOKE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=64, verbose=False)
+llm.eval([llm.token_bos(), 1, 2, 3])
+"""
 
 
 @dataclass
@@ -144,6 +156,9 @@ def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
         return PeerRun(name, None, f"not installed ({INSTALL['llama.cpp']})")
     if gguf is None:
         return PeerRun(name, None, "the target is not a GGUF file (llama.cpp runs GGUF only)")
+    failed = llamacpp_smoke(gguf, threads)
+    if failed:
+        return PeerRun(name, None, failed)
     llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
                           n_batch=512, verbose=False, logits_all=False)
     eos = {llm.token_eos()}
@@ -167,6 +182,22 @@ def llamacpp_peer(gguf: Path | None, threads: int, context: int) -> PeerRun:
 
     quant = Path(gguf).name
     return PeerRun(name, generate, f"llama-cpp-python {llama_cpp.__version__} on {quant}")
+
+
+def llamacpp_smoke(gguf: Path, threads: int, timeout: float = 300.0) -> str | None:
+    """Why llama.cpp cannot run `gguf` here (a short decode in a child process), or None where it can."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _LLAMACPP_SMOKE, str(gguf), str(threads)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a 4-token llama.cpp decode did not finish in {timeout:.0f} s"
+    if done.returncode < 0:
+        return (f"llama.cpp crashed (signal {-done.returncode}) decoding 4 tokens; a build for this CPU's AMX "
+                f"does that on machines that do not grant AMX state: rebuild it without: {LLAMACPP_PORTABLE}")
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        return f"llama.cpp failed to load {Path(gguf).name}: {last[0]}"
+    return None
 
 
 def torch_peer(loaded_target, threads: int) -> PeerRun:
