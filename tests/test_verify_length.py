@@ -73,8 +73,11 @@ class NeverIdle(IdleRounds):
 
 def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N, idle=False, seeded_sampling="stream"):
     """Generate with a fixed cost line; returns (tokens, [(inner proposal, returned proposal) per drafter round]).
-    idle: keep the proposer's idle rounds (else every round is sized)."""
+    idle: keep the proposer's idle rounds (else every round is sized). Every verify step is reported as
+    costing what the line says (the tiny model's own seconds are on no line's scale)."""
     proposer.step_cost = FixedCost(cost)
+    timer = proposer.observe_step_time
+    proposer.observe_step_time = lambda batch, positions, seconds: timer(batch, positions, cost[0] + cost[1] * positions)
     if not idle:
         proposer.idle = NeverIdle()
     rounds: list[list[Proposal]] = []
@@ -98,7 +101,7 @@ def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N, idle=Fal
         result = generate_speculative(TorchTargetEngine(target, 256, 1), proposer, [prompt], n, sampling,
                                       seeded_sampling=seeded_sampling)
     finally:
-        del proposer.inner.propose, proposer.propose
+        del proposer.inner.propose, proposer.propose, proposer.observe_step_time
     return result.tokens[0], [tuple(r) for r in rounds if len(r) == 2]
 
 
