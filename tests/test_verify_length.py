@@ -192,7 +192,7 @@ def test_a_sized_round_pays_for_its_verify_rows_too():
     slow = rounds(7e-3)  # each sized round's verify runs 2 ms past a plain step
     assert slow.left > 0 and slow.idle()
     slow.forget()
-    assert slow.extra == 0.0 and slow.left == 0
+    assert slow.extra is None and slow.left == 0
 
 
 def test_turning_the_cut_off_verifies_whole_proposals(target):

@@ -199,7 +199,7 @@ class IdleRounds:
         self.decay = float(decay)
         self.accepted: float | None = None  # decayed mean of the drafts accepted per sized round
         self.seconds: float | None = None  # decayed mean of a sizing's seconds
-        self.extra = 0.0  # decayed mean of a sized round's verify seconds beyond a plain step's
+        self.extra: float | None = None  # decayed mean of a sized round's verify seconds beyond a plain step's
         self.plain_seconds = 0.0  # a one-token step's seconds at the last sizing
         self.left = 0  # idle rounds still to run
         self.gap = FIRST_IDLE
@@ -224,8 +224,7 @@ class IdleRounds:
     def observe_verify(self, seconds: float) -> None:
         """The last round's verify seconds (forward and acceptance), before its accepted drafts."""
         if self.sized and self.seconds is not None:
-            extra = seconds - self.plain_seconds
-            self.extra = extra if self.rounds == 0 else self.decay * self.extra + (1 - self.decay) * extra
+            self.extra = self._mean(self.extra, seconds - self.plain_seconds)
 
     def observe_accepted(self, drafts: int) -> None:
         """The drafts the target accepted in the last round; after a sized one, the idle decision."""
@@ -234,14 +233,13 @@ class IdleRounds:
         self.sized = False  # scored once: a round of another arm (`--drafter auto`) is not this one's
         self.accepted = self._mean(self.accepted, float(drafts))
         self.rounds += 1
-        if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds + self.extra:
+        if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds + (self.extra or 0.0):
             self.left, self.gap = self.gap, min(2 * self.gap, MAX_IDLE)
         else:
             self.gap = FIRST_IDLE
 
     def forget(self) -> None:
-        self.accepted = self.seconds = None
-        self.extra = 0.0
+        self.accepted = self.seconds = self.extra = None
         self.left, self.gap, self.sized, self.rounds = 0, FIRST_IDLE, False, 0
 
 
