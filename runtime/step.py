@@ -9,7 +9,9 @@ A step advances a set of request rows of one target engine by one target forward
   cut     each proposal to the row's free cache slots, then the caller's `plan` may cut further
           (the serving scheduler, DSpark Algorithm 1)
   verify  one forward over [anchor, drafts...] of every engine row (padded to the longest;
-          rows not in the step get a one-token dummy that is never committed)
+          rows not in the step get a one-token dummy that is never committed); a lone row's plain
+          step takes the engine's `decode_one` where it has one (the ORT engine's bound call:
+          no id, position or mask tensors, the token committed in place)
   accept  per row, by its `TokenRule`:
             greedy   temperature 0: the longest path equal to the target's argmax (`verify`)
             seeded   temperature > 0 and a seed: the same on log p + Gumbel noise keyed by
@@ -217,16 +219,24 @@ class DecodeStep:
             for r, p in zip(rows, cut):
                 proposals[r.row] = p if len(p) else EMPTY
         t1 = time.perf_counter()
-        anchors = [0] * len(proposals)
-        for r in rows:
-            anchors[r.row] = r.anchor
-        ids, positions, mask = verify_batch(proposals, anchors, engine.lengths)
-        if forward is not None:
-            logits, taps = forward(ids, positions, mask, [1 + len(p) if p is not None else 1 for p in proposals])
+        # a lone plain row: the engine's one-token call, committed by the engine (nothing else to build)
+        decode_one = getattr(engine, "decode_one", None) if drafted is None and forward is None else None
+        lean = decode_one(rows[0].anchor) if decode_one is not None and len(rows) == 1 else None
+        if lean is not None:
+            logits, taps = lean
+            shape = (1, 1)
         else:
-            logits, taps = engine.forward(ids, positions, mask)
+            anchors = [0] * len(proposals)
+            for r in rows:
+                anchors[r.row] = r.anchor
+            ids, positions, mask = verify_batch(proposals, anchors, engine.lengths)
+            if forward is not None:
+                logits, taps = forward(ids, positions, mask, [1 + len(p) if p is not None else 1 for p in proposals])
+            else:
+                logits, taps = engine.forward(ids, positions, mask)
+            shape = tuple(ids.shape)
         t2 = time.perf_counter()
-        report.positions = int(ids.shape[0] * ids.shape[1])
+        report.positions = shape[0] * shape[1]
         accepting = 0.0  # seconds spent choosing the tokens: part of what a verified row costs
         committed = []  # (row, tokens the target kept, their taps, the next anchor) of rows that go on
         for r in rows:
@@ -235,7 +245,8 @@ class DecodeStep:
             path, bonus = r.rule.accept(p, logits[r.row], r.generated)
             accepting += time.perf_counter() - t_accept
             keep = kv_keep_indices(path)
-            engine.commit(r.row, keep)
+            if lean is None:
+                engine.commit(r.row, keep)
             accepted = [int(p.tokens[i]) for i in path]
             r.stats.rounds += 1
             r.stats.record_acceptance(p.depth, len(path))
@@ -255,7 +266,7 @@ class DecodeStep:
         if timer is not None:
             # a verify step's cost: the forward and the acceptance, which reads every verified row (a
             # sampled row draws noise or probabilities per row: host time that grows with the step)
-            timer(int(ids.shape[0]), int(ids.shape[1]), t2 - t1 + accepting)
+            timer(shape[0], shape[1], t2 - t1 + accepting)
         if committed:
             self._ingest(proposer, committed)
         t4 = time.perf_counter()

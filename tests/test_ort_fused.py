@@ -15,6 +15,7 @@ from specrt.tools.cli_export import main as export_main
 from specrt.export.manifest import load_manifest
 from specrt.export.models.llama import LlamaModel
 from specrt.export.ort_fused import GRAPH_NAME, build_graph, export_fused_target, supports
+from specrt.runtime.backends.ort_backend import OrtTargetEngine
 from specrt.runtime.backends.ort_models import OrtTargetModel
 from specrt.runtime.backends.ort_session import OrtGraph, SessionOptions
 from specrt.runtime.pipeline import Pipeline
@@ -302,6 +303,35 @@ def test_bound_call_gives_the_general_paths_tokens(engine_folders, int4_folder, 
             assert got == want
             # one session run per token (the prompt's gives the first), none through the general path
             assert graph.run_calls - runs == len(got) and not calls
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+def test_plain_steps_take_the_engines_one_token_call(engine_folders, int4_folder, kind, monkeypatch):
+    """A lone row's plain step runs `decode_one` (no id, position or mask tensors): after the
+    prompt's forward, no step calls `forward`, and the text is the general path's."""
+    pipe = Pipeline.from_engines(FOLDERS[kind](engine_folders, int4_folder), threads=1, drafter="none")
+    forwards = []
+    original = OrtTargetEngine.forward
+
+    def counted(self, input_ids, *args, **kwargs):
+        forwards.append(int(input_ids.shape[1]))
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(OrtTargetEngine, "forward", counted)
+    prompt = LEAN_PROMPTS[0]
+    want = generate(pipe, False, prompt)
+    assert forwards.count(1) == len(want) - 1  # the general path: one forward per step
+    forwards.clear()
+    assert generate(pipe, True, prompt) == want
+    assert forwards == [len(prompt)]  # the prompt's forward alone
+
+
+def test_plain_rounds_of_auto_keep_the_taps(engine_folders):
+    """`decode_one` hands back the step's taps: auto's plain rounds on an EAGLE-3 folder feed the
+    drafter the same features as the general path, so the text is the same either way."""
+    pipe = Pipeline.from_engines(engine_folders / "with", threads=1, drafter="auto")
+    for prompt in LEAN_PROMPTS:
+        assert generate(pipe, True, prompt, tokens=20) == generate(pipe, False, prompt, tokens=20)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int4"])

@@ -55,6 +55,21 @@ class OrtTargetEngine(TorchTargetEngine):
                     return out
         return super().forward(input_ids, position_ids, new_mask, logit_rows)
 
+    def decode_one(self, token: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A plain step of the lone row, committed: `token` at the row's committed length through the
+        bound call, with no mask, id or position tensors built (plain decoding runs this every token).
+        (logits [1, 1, V], taps [1, 1, W] | None), the same as `forward` + `commit(0, [0])`, or None
+        where `forward` must take the step (a batch, the general path, the cache end)."""
+        if not self.lean_decode or self.batch_size != 1:
+            return None
+        call = self._bound_call()
+        length = int(self.lengths[0])
+        if call is None or length + call.rows > call.slots:
+            return None
+        out = call.decode(token, length, length)
+        self.lengths[0] = length + 1
+        return out
+
     def _bound_call(self) -> BoundTargetCall | None:
         """The bound call of the current cache and taps, where the fused graph takes this engine's calls."""
         model = self.model
