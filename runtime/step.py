@@ -219,9 +219,10 @@ class DecodeStep:
             for r, p in zip(rows, cut):
                 proposals[r.row] = p if len(p) else EMPTY
         t1 = time.perf_counter()
-        # a lone plain row: the engine's one-token call, committed by the engine (nothing else to build)
-        decode_one = getattr(engine, "decode_one", None) if drafted is None and forward is None else None
-        lean = decode_one(rows[0].anchor) if decode_one is not None and len(rows) == 1 else None
+        # a lone row with nothing to verify (plain decoding, a proposer's plain round): the engine's
+        # one-token call, committed by the engine (nothing else to build)
+        decode_one = getattr(engine, "decode_one", None) if forward is None and len(rows) == 1 else None
+        lean = decode_one(rows[0].anchor) if decode_one is not None and not len(proposals[rows[0].row]) else None
         if lean is not None:
             logits, taps = lean
             shape = (1, 1)

@@ -326,12 +326,22 @@ def test_plain_steps_take_the_engines_one_token_call(engine_folders, int4_folder
     assert forwards == [len(prompt)]  # the prompt's forward alone
 
 
-def test_plain_rounds_of_auto_keep_the_taps(engine_folders):
-    """`decode_one` hands back the step's taps: auto's plain rounds on an EAGLE-3 folder feed the
-    drafter the same features as the general path, so the text is the same either way."""
+def test_plain_rounds_of_auto_keep_the_taps(engine_folders, monkeypatch):
+    """`decode_one` hands back the step's taps: auto's plain rounds on an EAGLE-3 folder (its
+    drafter ingests every step's features) take it and give the general path's text."""
     pipe = Pipeline.from_engines(engine_folders / "with", threads=1, drafter="auto")
+    taken = []
+    original = OrtTargetEngine.decode_one
+
+    def counted(self, token):
+        out = original(self, token)
+        taken.append(out is not None and out[1] is not None)
+        return out
+
+    monkeypatch.setattr(OrtTargetEngine, "decode_one", counted)
     for prompt in LEAN_PROMPTS:
         assert generate(pipe, True, prompt, tokens=20) == generate(pipe, False, prompt, tokens=20)
+    assert any(taken)  # some rounds were plain, and their taps came back
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int4"])
