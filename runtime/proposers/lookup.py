@@ -337,6 +337,9 @@ class LookupProposer:
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         # measured costs choose the copy length for greedy requests only: a sampled request's drafts
         # must not depend on timing (its random stream would be consumed differently run to run)
+        if self.idle.left and sampling.greedy and self.batch_size == 1 and list(rows) == [0]:
+            self.idle.idle()  # an idle round (`verify_length.IdleRounds`): nothing to look up or size
+            return [NO_COPY]
         cost = self.step_cost.line(self.batch_size) if sampling.greedy else None
         alone = cost is not None and self.batch_size == 1 and list(rows) == [0]
         if alone and self.idle.idle():  # `verify_length.IdleRounds`
@@ -479,8 +482,11 @@ class WithLookup:
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         self.backlog.clear_last()
         # measured costs size greedy rounds at batch 1; a sampled request's drafts must not depend on timing
-        cost = self.step_cost.line(1) if (self.cost_cut and sampling.greedy and self.batch_size == 1
-                                          and list(rows) == [0]) else None
+        sizable = self.cost_cut and sampling.greedy and self.batch_size == 1 and list(rows) == [0]
+        if sizable and self.idle.left:
+            self.idle.idle()  # an idle round (`verify_length.IdleRounds`): nothing to size
+            return [NO_COPY]
+        cost = self.step_cost.line(1) if sizable else None
         if cost is not None:
             if self.idle.idle():
                 return [NO_COPY]
