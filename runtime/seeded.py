@@ -18,10 +18,17 @@ zeros become -inf scores and are never chosen.
 Verification is greedy verification on the perturbed scores: a draft is accepted iff it equals
 the token plain decoding with that seed would pick at its index, and the bonus is that token. So
 the output is a function of (prompt, sampling params, seed) only: the same with or without a
-drafter, alone or batched, whatever verify length the scheduler picks. The price is acceptance:
-a draft survives with probability P(draft = x_n), below the min(1, p/q) rule's, because drafts are
-not coupled to the noise. Proposers draft greedily for these requests (argmax q is the draft most
-likely to equal a sample of p when q tracks p: p(argmax q) >= sum_v p(v) q(v)).
+drafter, alone or batched, whatever verify length the scheduler picks.
+
+Coupled drafts: the noise of every index is known before the target sees it, so a drafter can
+draft on the same noise, y_n = argmax_v (log q_n(v) + G_n(v)) (`DraftNoise`). Where q tracks p the
+two perturbed argmaxes agree far more often than a sample of p equals argmax q (q = p: always), and
+the drafts stay deterministic given the noise: verification treats them as point masses, measured
+costs may size the round as they size greedy ones, and the output is unchanged. Measured on the
+int4 DSpark folder (6 prompts, 128 tokens, temperature 1): 0.24 accepted drafts per round coupled
+against 0.14 with greedy drafts. Proposers that draft this way say so (`couples_noise`); the others
+draft greedily for these requests (argmax q is then the draft most likely to equal a sample of p
+when q tracks p: p(argmax q) >= sum_v p(v) q(v)).
 
 Where: every request with a seed and temperature > 0, in `generate` and in serving alike (the rule
 is `specrt.runtime.step.TokenRule`), so `specrt generate --seed 1` and a served request with seed 1
@@ -31,6 +38,7 @@ give the same text. Row b of a batch generated with one seed uses `row_seed(seed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -104,6 +112,37 @@ def accept_seeded(p: Proposal, logits: torch.Tensor, params: SamplingParams, fir
         k, bonus = verify_chain_greedy(p.tokens, scores)
         return list(range(k)), bonus
     return verify_tree_greedy(p.tokens, p.parents, scores)
+
+
+@dataclass(frozen=True)
+class DraftNoise:
+    """The noise a seeded row's verification adds at the indices its drafts take (module docstring).
+
+    A draft at depth d (d = 1: the token after the anchor) is checked at generated index
+    first_index + d - 1; siblings of a tree share their depth's noise."""
+
+    params: SamplingParams  # the row's sampling: temperature, top-k / top-p and seed
+    first_index: int  # generated index of a depth-1 draft (the step row's `generated`)
+
+    def noise(self, depth: int, vocab_size: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[V] noise of depth `depth`, or [N] at `token_ids` (a drafter's reduced vocabulary, as target ids)."""
+        g = gumbel_noise(int(self.params.seed), self.first_index + depth - 1, vocab_size)
+        return g if token_ids is None else g[token_ids]
+
+    def scores(self, logits: torch.Tensor, depth: int | Sequence[int], vocab_size: int | None = None,
+               token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafter logits [..., N] at `depth` (or [n, N] at depths[i]) -> logits / T + G, float32:
+        their argmax is the coupled draft. vocab_size: the target's (default: N, logits over the target's
+        vocabulary); token_ids: the target id of each of the N logits."""
+        vocab = int(vocab_size if vocab_size is not None else logits.shape[-1])
+        scores = logits.float() / self.params.temperature
+        if self.params.top_k or self.params.top_p < 1.0:
+            scores = scores.masked_fill(probabilities(logits, self.params) == 0, float("-inf"))
+        if isinstance(depth, int):
+            g = self.noise(depth, vocab, token_ids)
+        else:
+            g = torch.stack([self.noise(int(d), vocab, token_ids) for d in depth])
+        return scores + g.to(scores.device)
 
 
 def is_seeded(params: SamplingParams) -> bool:

@@ -4,7 +4,8 @@ A step advances a set of request rows of one target engine by one target forward
 
   ingest  (lazy mode only) hand the proposer what the target committed since it last drafted
   draft   `proposer.propose` once per group of rows with the same draft sampling (a seeded row
-          drafts greedily); "copies" asks a grafted lookup for its copies alone; "none" (or no
+          drafts greedily, on its verification's noise where the proposer `couples_noise`:
+          `seeded.DraftNoise`); "copies" asks a grafted lookup for its copies alone; "none" (or no
           proposer) gives every row the empty proposal: plain decoding is this step too
   cut     each proposal to the row's free cache slots, then the caller's `plan` may cut further
           (the serving scheduler, DSpark Algorithm 1)
@@ -40,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 from specrt.runtime.proposers.backlog import DrafterBacklog
-from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.proposers.base import Proposal, coupled
 from specrt.runtime.sampling import SamplingParams, next_token, probabilities
-from specrt.runtime.seeded import GREEDY_DRAFTS, accept_seeded, seeded_token
+from specrt.runtime.seeded import GREEDY_DRAFTS, DraftNoise, accept_seeded, seeded_token
 from specrt.runtime.stats import RequestStats
 from specrt.runtime.tree import kv_keep_indices, tree_attention_mask, tree_positions
 from specrt.runtime.verify import (
@@ -79,8 +80,13 @@ class TokenRule:
 
     @property
     def draft_sampling(self) -> SamplingParams:
-        """What the proposer drafts with: greedy for a seeded row (its drafts cannot follow the noise)."""
+        """What the proposer drafts with: greedy for a seeded row (on the noise of `draft_noise`, where
+        the proposer couples it)."""
         return GREEDY_DRAFTS if self.seeded else self.sampling
+
+    def draft_noise(self, generated: int) -> DraftNoise | None:
+        """A seeded row's coupling for drafts after the token at generated index `generated` - 1."""
+        return DraftNoise(self.sampling, generated) if self.seeded else None
 
     def first(self, logits: torch.Tensor) -> int:
         """The first generated token (index 0) from the prompt's last logits [V]."""
@@ -294,12 +300,17 @@ class DecodeStep:
         # a block drafter writes scratch K/V for every row it is not asked about (at position 0):
         # with several groups, each call drafts all the step's rows and keeps its own group's
         all_rows = len(groups) > 1 and hasattr(proposer, "block_size")
+        coupling = getattr(proposer, "couples_noise", False)
         out: dict[int, Proposal] = {}
         for group in groups.values():
             sampling = group[0].rule.draft_sampling
             call = rows if all_rows else group
+            noise = None
+            if coupling:
+                members = {id(r) for r in group}
+                noise = [r.rule.draft_noise(r.generated) if id(r) in members else None for r in call]
             drafted = proposer.propose([r.row for r in call], [r.anchor for r in call], sampling,
-                                       None if sampling.greedy else self.draft_generator)
+                                       None if sampling.greedy else self.draft_generator, **coupled(noise))
             wanted = {r.row for r in group}
             out.update({r.row: p for r, p in zip(call, drafted) if r.row in wanted})
         return [out[r.row] for r in rows]

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,3 +327,35 @@ def test_bench_trees_times_shapes_and_checks_they_equal_plain(folders, monkeypat
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "tok/s" not in line]
     assert [r.split(" | ")[0] for r in rows] == ["| plain", "| 2/3/5", "| 1/3/4@0.3"]
     assert all(r.rstrip(" |").endswith("2/2") for r in rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seeded_rows_draft_on_their_noise_in_the_graphs(folders, kind, monkeypatch):
+    """The engines' drafters couple seeded drafts to the verification's noise (the DSpark graph
+    through its gumbel input): where the noise decides every token, every draft is accepted."""
+    import specrt.runtime.seeded as seeded
+    from specrt.export.draft_options import DraftOptions
+
+    folder = folders["engines"][kind]
+    # tokens the drafter can draft: EAGLE-3's reduced vocabulary (its target ids), else all 64
+    allowed = (np.load(folder / "draft_to_target.npy").tolist() if kind == "eagle3" else list(range(64)))
+
+    def token(index: int) -> int:
+        return allowed[(7 * index + 3) % len(allowed)]
+
+    def deciding(seed: int, index: int, vocab_size: int) -> torch.Tensor:
+        g = torch.zeros(vocab_size)
+        g[token(index)] = 1e4
+        return g
+
+    monkeypatch.setattr(seeded, "gumbel_noise", deciding)
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    options = DraftOptions(lookup=0, tree_top_k=1, confidence_threshold=0.0)
+    pipe = Pipeline.from_engines(folder, drafter=kind, draft_options=options)
+    out = pipe.generate_ids([PROMPTS[0]], 20, sampling)
+    plain = Pipeline.from_engines(folders["engines"]["none"]).generate_ids([PROMPTS[0]], 20, sampling)
+    assert out.tokens[0] == plain.tokens[0] == [token(i) for i in range(len(plain.tokens[0]))]
+    assert len(out.tokens[0]) >= 12  # the noise's text runs until it picks an end-of-sequence token
+    stats = out.stats[0]
+    assert sum(stats.proposed_per_position) >= len(out.tokens[0]) // 2
+    assert stats.accepted_per_position == stats.proposed_per_position  # every verified draft kept

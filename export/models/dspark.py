@@ -214,13 +214,16 @@ class DSparkDrafter(DFlashDrafter):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         write_slots: torch.Tensor,
-        temperature: float = 0.0,
+        temperature: float | torch.Tensor = 0.0,
         generator: torch.Generator | None = None,
+        gumbel: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Backbone once, then the Markov chain over the block.
 
         Returns tokens [B, gamma] (int64, target ids), draft_probs [B, gamma, V] = softmax(l_k / T)
         (None when temperature == 0: greedy) and conf_logits [B, gamma] (pre-sigmoid z_k).
+        gumbel [B, gamma, V]: the caller's noise (seeded rows' coupled drafts), temperature then a
+        [B] tensor: x_k = argmax(l_k + T * g_k), as the exported graph takes it; draft_probs None.
         """
         base, hidden = self.forward(block_ids, position_ids, attn_mask, k_cache, v_cache, write_slots)
         prev = block_ids[:, 0]
@@ -229,7 +232,10 @@ class DSparkDrafter(DFlashDrafter):
         for k in range(block_ids.shape[1]):
             logits, state = self.markov_head.step(base[:, k], prev, hidden[:, k], state)
             confs.append(self.confidence(hidden[:, k], prev))
-            if temperature <= 0:
+            if gumbel is not None:
+                scale = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(logits.shape[0])
+                token = torch.argmax(logits + scale[:, None] * gumbel[:, k].to(logits.dtype), dim=-1)
+            elif temperature <= 0:
                 token = torch.argmax(logits, dim=-1)
             else:
                 p = torch.softmax(logits / temperature, dim=-1)

@@ -446,28 +446,35 @@ class OrtBlockDrafter:
         return out["logits"], out["hidden"]
 
     def draft(self, block_ids, position_ids, attn_mask, k_cache, v_cache, write_slots, temperature: float = 0.0,
-              generator: torch.Generator | None = None):
+              generator: torch.Generator | None = None, gumbel: torch.Tensor | None = None):
         """DSpark: tokens [B, gamma], draft probs softmax(l / T) or None, conf logits [B, gamma].
 
         Sampling inside the graph is Gumbel-max on noise drawn here from `generator`, so the
         runtime owns the random stream and the draws are exact samples of softmax(l / T).
+        gumbel [B, gamma, N]: the caller's noise instead (seeded rows' coupled drafts), with
+        temperature a [B] tensor (0: that row greedy); the tokens are then deterministic (probs None).
         """
         b, gamma = block_ids.shape
         vocab = self.logits_width
-        if temperature > 0:
-            u = torch.rand((b, gamma, vocab), generator=generator).clamp_(1e-20, 1.0 - 1e-7)
-            gumbel = -torch.log(-torch.log(u))
+        coupled = gumbel is not None
+        if coupled:
+            temperatures = torch.as_tensor(temperature, dtype=torch.float32).expand(b).contiguous()
         else:
-            gumbel = torch.zeros((b, gamma, vocab))
+            temperatures = torch.full((b,), float(temperature), dtype=torch.float32)
+            if temperature > 0:
+                u = torch.rand((b, gamma, vocab), generator=generator).clamp_(1e-20, 1.0 - 1e-7)
+                gumbel = -torch.log(-torch.log(u))
+            else:
+                gumbel = torch.zeros((b, gamma, vocab))
         feeds = {
             "block_ids": block_ids, "position_ids": position_ids, "past_mask": self._past_mask(attn_mask, write_slots),
             **self.cache_feeds(k_cache, v_cache),
-            "temperature": torch.full((b,), float(temperature), dtype=torch.float32),
+            "temperature": temperatures,
             "gumbel": gumbel, "threshold": torch.tensor(0.0, dtype=torch.float32),
             "sps": torch.ones(1, dtype=torch.float32),  # M == 1: the threshold policy (the proposer applies it)
         }
         out = self.block_graph.run(feeds, ["tokens", "markov_logits", "conf_logits"])
-        probs = torch.softmax(out["markov_logits"] / temperature, dim=-1) if temperature > 0 else None
+        probs = torch.softmax(out["markov_logits"] / temperature, dim=-1) if not coupled and temperature > 0 else None
         if probs is not None and self.draft_vocab is not None:
             probs = self.draft_vocab.scatter(probs)  # the tokens are target ids already (the graph maps them)
         return out["tokens"], probs, out["conf_logits"]

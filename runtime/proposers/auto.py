@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from specrt.export.draft_options import DEFAULT_ALONE_ABOVE
 from specrt.runtime.proposers.backlog import DrafterBacklog
-from specrt.runtime.proposers.base import Proposal
+from specrt.runtime.proposers.base import Proposal, coupled
 from specrt.runtime.proposers.lookup import copy_proposal
 from specrt.runtime.sampling import SamplingParams
 
@@ -194,7 +194,8 @@ class AutoProposer:
             idle.observe_verify(seconds)
 
     def propose(self, rows: Sequence[int], anchors: Sequence[int], sampling: SamplingParams,
-                generator: torch.Generator | None) -> list[Proposal]:
+                generator: torch.Generator | None, noise=None) -> list[Proposal]:
+        # noise: seeded rows' couplings, for a drafter that `couples_noise` (read through __getattr__)
         now = self.clock()
         if self.open is not None:
             self._close(now)
@@ -212,7 +213,7 @@ class AutoProposer:
         self.backlog.clear_last()
         if self.backlog.drafter is self.drafter:  # WithLookup catches up itself, only if it drafts
             self.backlog.catch_up()
-        proposals = self.drafter.propose(rows, anchors, sampling, generator)
+        proposals = self.drafter.propose(rows, anchors, sampling, generator, **coupled(noise))
         # a drafter running every round ingests one round's tokens per round: charge that share only
         seconds, rounds = self.backlog.last
         self.credit = seconds * (1.0 - 1.0 / max(rounds, 1))

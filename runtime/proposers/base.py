@@ -12,6 +12,11 @@ A round, for every active request row b (DESIGN.md section 3):
    accepted drafts), their tap hidden states, and the token emitted after them (the new anchor).
    After prefill it calls `observe` with the whole prompt.
 
+Seeded rows (`specrt.runtime.seeded`) are drafted with greedy `sampling`. A proposer whose class
+sets `couples_noise = True` also gets `noise=`: per row a `DraftNoise` (None for other rows), and
+drafts argmax(noise.scores(logits, depth)) instead of argmax(logits) for those rows, so its drafts
+follow the noise verification will use (still point masses: `draft_probs` None).
+
 A proposer owns its own cache and context length, which always mirrors the target's committed
 length: what it wrote while drafting is scratch and is overwritten or masked out later.
 """
@@ -57,6 +62,12 @@ class Proposal:
         return int(self.tokens.shape[0])
 
 
+def coupled(noise) -> dict:
+    """propose()'s keyword for seeded rows' couplings (module docstring): none where no row has one,
+    so a proposer that does not couple noise is never handed any."""
+    return {"noise": noise} if noise is not None and any(n is not None for n in noise) else {}
+
+
 def _depth(parents: torch.Tensor) -> int:
     depths: list[int] = []
     for p in parents.tolist():
@@ -78,3 +89,4 @@ class Proposer(Protocol):
 
     def propose(self, rows: Sequence[int], anchors: Sequence[int], sampling: SamplingParams,
                 generator: torch.Generator | None) -> list[Proposal]: ...
+    # with `couples_noise = True` on the class: propose(rows, anchors, sampling, generator, noise=None)

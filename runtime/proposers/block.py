@@ -13,6 +13,11 @@ the block, so x_k ~ q_k holds exactly as chain verification needs).
 DSpark: gamma drafts through the Markov head (sequential in k), then confidence truncation: keep
 the longest prefix whose calibrated survival prod sigmoid(z_i / T_i) stays >= `threshold`.
 
+Seeded rows (`couples_noise`): drafts follow the noise their verification will add
+(`specrt.runtime.seeded.DraftNoise`): DFlash takes argmax(logits / T + noise) per position, the
+DSpark graph runs its Markov chain on the same scores (its `gumbel` input), trees rank children on
+them. Survivals stay the drafter's own estimates (a tree's path scores are the perturbed ones).
+
 All rows of the batch run together; rows that are not drafting this round get a dummy block at
 position 0 (their requests are finished, so overwriting their slots costs nothing).
 
@@ -64,6 +69,8 @@ def pad_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
 
 class BlockProposer:
+    couples_noise = True  # seeded rows draft on their verification's noise (module docstring)
+
     def __init__(self, drafter: DFlashDrafter, threshold: float = 0.0, max_drafts: int | None = None,
                  tree_top_k: int = 1, tree_tokens: int = 16) -> None:
         self.drafter = drafter
@@ -114,8 +121,17 @@ class BlockProposer:
         for b, t in zip(rows, tokens):
             self.lengths[b] += len(t)
 
+    def _perturbed(self, logits: torch.Tensor, depth, noise) -> torch.Tensor:
+        """logits over the drafter's vocabulary at `depth` (or [n, N] at depths), perturbed by a seeded
+        row's noise (None: as they are)."""
+        if noise is None:
+            return logits
+        ids = None if self.draft_vocab is None else self.draft_vocab.token_ids.to(logits.device)
+        return noise.scores(logits, depth, self.vocab_size, ids)
+
     @torch.inference_mode()
-    def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+    def propose(self, rows, anchors, sampling: SamplingParams, generator, noise=None) -> list[Proposal]:
+        noise_of = dict(zip(rows, noise)) if noise is not None else {}
         batch, bk = self.batch_size, self.block_size
         anchor = torch.zeros(batch, dtype=torch.long)
         start = torch.zeros(batch, dtype=torch.long)
@@ -129,10 +145,14 @@ class BlockProposer:
         block = self.drafter.block_ids(anchor).to(self.device)
         args = (block, positions.to(self.device), mask.to(self.device), self.k_cache, self.v_cache, positions.to(self.device))
         if self.tree_top_k > 1:
-            return self._trees(rows, anchor, args)
+            return self._trees(rows, anchor, args, noise_of)
         if self.is_dspark:
             temperature = 0.0 if sampling.greedy else sampling.temperature
-            tokens, probs, conf = self.drafter.draft(*args, temperature=temperature, generator=generator)
+            if any(n is not None for n in noise_of.values()):
+                tokens, conf = self._coupled_markov_chain(args, noise_of)
+                probs = None
+            else:
+                tokens, probs, conf = self.drafter.draft(*args, temperature=temperature, generator=generator)
             survival = self.drafter.survival(conf)
             self.last_survival = survival
             keep = (survival >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)
@@ -141,6 +161,9 @@ class BlockProposer:
             logits = logits[:, 1 - self.label_shift:]
             if sampling.greedy:
                 tokens, probs = logits.argmax(-1), None
+                for b, n in noise_of.items():
+                    if n is not None:
+                        tokens[b] = self._perturbed(logits[b], range(1, logits.shape[1] + 1), n).argmax(-1)
             else:
                 probs = probabilities(logits, sampling)
                 tokens = sample(probs, generator)
@@ -166,18 +189,40 @@ class BlockProposer:
                                       survival[b, :n].float().cpu()))
         return out
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.drafter.config.vocab_size)  # the target's: the noise is drawn over it
+
+    def _coupled_markov_chain(self, args, noise_of: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's chain with each seeded row's Markov steps on its noise (the others greedy):
+        tokens [B, gamma] and confidence logits. The graph takes x_k = argmax(l_k + T * g_k)."""
+        gamma = int(args[0].shape[1])
+        width = self.draft_vocab.size if self.draft_vocab is not None else self.vocab_size
+        temperature = torch.zeros(self.batch_size, dtype=torch.float32)
+        gumbel = torch.zeros(self.batch_size, gamma, width, dtype=torch.float32)
+        ids = None if self.draft_vocab is None else self.draft_vocab.token_ids
+        for b, n in noise_of.items():
+            if n is not None:
+                temperature[b] = n.params.temperature
+                gumbel[b] = torch.stack([n.noise(k + 1, self.vocab_size, ids) for k in range(gamma)])
+        tokens, _, conf = self.drafter.draft(*args, temperature=temperature.to(self.device),
+                                             gumbel=gumbel.to(self.device))
+        return tokens, conf
+
     # -- trees ------------------------------------------------------------------------------------
-    def _trees(self, rows, anchor: torch.Tensor, args) -> list[Proposal]:
+    def _trees(self, rows, anchor: torch.Tensor, args, noise_of: dict) -> list[Proposal]:
         """One drafter forward for the batch, then one dynamic tree per row (module docstring)."""
         logits, hidden = self.drafter(*args)
         out = []
         for b in rows:
+            noise = noise_of.get(b)
             if self.is_dspark:
-                tree = self._markov_tree(logits[b], hidden[b], int(anchor[b]))
+                tree = self._markov_tree(logits[b], hidden[b], int(anchor[b]), noise)
             else:
                 # block index k predicts depth k + label_shift; one host copy of the depths the tree can reach
                 first = 1 - self.label_shift
-                per_depth = logits[b, first:first + self.max_drafts].float().cpu()
+                per_depth = logits[b, first:first + self.max_drafts].float()
+                per_depth = self._perturbed(per_depth, range(1, per_depth.shape[0] + 1), noise).cpu()
 
                 def expand(frontier: list[int], pool: DraftTree, per_depth=per_depth) -> torch.Tensor:
                     depth = int(pool.depths[frontier[0]])  # a frontier is one level of the tree
@@ -189,7 +234,7 @@ class BlockProposer:
                                 survival=tree.cum_logprobs.exp().float()))
         return out
 
-    def _markov_tree(self, base: torch.Tensor, hidden: torch.Tensor, anchor: int) -> DraftTree:
+    def _markov_tree(self, base: torch.Tensor, hidden: torch.Tensor, anchor: int, noise=None) -> DraftTree:
         """DSpark: base [Bk, V] (index k predicts depth k+1) plus the Markov head's step per tree level."""
         head = self.drafter.markov_head
         dev = base.device
@@ -210,6 +255,7 @@ class BlockProposer:
             logits, new_state = step(depth + 1, pool.tokens[frontier], state)
             for i, f in enumerate(frontier):
                 state_after[f] = None if new_state is None else new_state[i]
-            return logits.float().cpu()
+            return self._perturbed(logits.float(), depth + 1, noise).cpu()
 
-        return build_dynamic_tree(root[0].float().cpu(), expand, self.tree_top_k, self.max_drafts, self.tree_tokens)
+        return build_dynamic_tree(self._perturbed(root[0].float(), 1, noise).cpu(), expand, self.tree_top_k,
+                                  self.max_drafts, self.tree_tokens)

@@ -15,6 +15,11 @@ Scratch rows are never committed: the next `observe` rewrites the context from t
 Children are the top-k of each node (deterministic), so verification at T > 0 treats them as
 point masses (`draft_probs` None): lossless, see `specrt.runtime.verify`.
 
+Seeded rows (`couples_noise`): every level is chosen on logits / T + the noise verification will
+add at that depth (`specrt.runtime.seeded.DraftNoise`, gathered at the draft vocabulary's target
+ids): the chain's token, or a tree node's top-k children, so the top child is the draft most likely
+to be the target's seeded token. Survivals stay the drafter's own probabilities.
+
 Chains (top_k = 1, what int8-activation engines and small CPU verify budgets use) skip the tree
 builder: one argmax per level gives the same drafts and survivals (argmax takes the first of equal
 maxima, as the builder's stable order does) without its per-level bookkeeping, which on a CPU
@@ -41,6 +46,7 @@ from specrt.runtime.tree import DraftTree, build_dynamic_tree
 
 class Eagle3Proposer:
     name = "eagle3"
+    couples_noise = True  # seeded rows draft on their verification's noise (module docstring)
 
     def __init__(self, drafter: Eagle3Drafter, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
                  threshold: float = 0.0) -> None:
@@ -55,6 +61,7 @@ class Eagle3Proposer:
         self.device = drafter.device if hasattr(drafter, "device") else drafter.fc.weight.device
         # target id of each draft id (the builder stores target ids in the tree)
         self.token_map = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=self.device)).cpu()
+        self.vocab_size = int(drafter.config.vocab_size)  # the target's: the noise is drawn over it
         self.scratch = self.top_k * max(self.depth - 1, 0)
 
     def reset(self, batch_size: int, capacity: int) -> None:
@@ -101,12 +108,19 @@ class Eagle3Proposer:
                 self.lengths[b] += counts[j]
 
     @torch.inference_mode()
-    def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+    def propose(self, rows, anchors, sampling: SamplingParams, generator, noise=None) -> list[Proposal]:
+        noise = noise if noise is not None else [None] * len(rows)
         if self.top_k == 1:
-            return [self._chain(b) for b in rows]
-        return [self._tree(b) for b in rows]
+            return [self._chain(b, n) for b, n in zip(rows, noise)]
+        return [self._tree(b, n) for b, n in zip(rows, noise)]
 
-    def _chain(self, b: int) -> Proposal:
+    def _scores(self, logits: torch.Tensor, depth: int, noise) -> torch.Tensor:
+        """What a level is chosen on: the logits, or a seeded row's perturbed scores at `depth`."""
+        if noise is None:
+            return logits
+        return noise.scores(logits, depth, self.vocab_size, self.token_map.to(logits.device))
+
+    def _chain(self, b: int, noise=None) -> Proposal:
         """The top-1 path, depth min(depth, total_tokens - 1): the tree builder's result for top_k 1."""
         base = self.lengths[b]
         length = min(self.depth, self.total_tokens - 1)
@@ -118,7 +132,7 @@ class Eagle3Proposer:
         stop = math.log(self.threshold) if self.threshold > 0 else float("-inf")
         for level in range(1, length + 1):
             logp = torch.log_softmax(logits.float(), dim=-1)
-            best = int(torch.argmax(logp))
+            best = int(torch.argmax(logp if noise is None else self._scores(logits, level, noise)))
             cum += float(logp[best])
             if cum == float("-inf") or cum < stop:
                 break
@@ -140,7 +154,7 @@ class Eagle3Proposer:
         return Proposal.chain(torch.tensor(tokens, dtype=torch.long), None,
                               torch.tensor(cums, dtype=torch.float64).exp().float())
 
-    def _tree(self, b: int) -> Proposal:
+    def _tree(self, b: int, noise=None) -> Proposal:
         base = self.lengths[b]
         k_cache, v_cache = self.k_cache[:, b:b + 1], self.v_cache[:, b:b + 1]
         node_out: dict[int, torch.Tensor] = {}
@@ -174,10 +188,10 @@ class Eagle3Proposer:
             )
             for i, f in enumerate(frontier):
                 node_out[f] = out[0, i]
-            return logits[0].cpu()
+            return self._scores(logits[0], depths[frontier[0]] + 1, noise).cpu()  # a frontier is one level
 
         tree = build_dynamic_tree(
-            self.root_logits[b].cpu(), expand, self.top_k, self.depth, self.total_tokens, token_map=self.token_map
+            self._scores(self.root_logits[b], 1, noise).cpu(), expand, self.top_k, self.depth, self.total_tokens, token_map=self.token_map
         )
         return Proposal(tree.tokens, tree.parents, None, is_chain=False, depth=tree.max_depth,
                         survival=tree.cum_logprobs.exp().float())

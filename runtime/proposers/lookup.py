@@ -76,7 +76,7 @@ from specrt.export.draft_options import (
     check_lookup_settings,
 )
 from specrt.runtime.proposers.backlog import DrafterBacklog
-from specrt.runtime.proposers.base import Proposal, _depth
+from specrt.runtime.proposers.base import Proposal, _depth, coupled
 from specrt.runtime.sampling import SamplingParams
 
 from specrt.runtime.proposers.datastore import store_key
@@ -479,7 +479,9 @@ class WithLookup:
         """The copies alone, no drafter forward (serving, while its draft gate is closed)."""
         return [copy_proposal(self.lookup.chain(b)) for b in rows]
 
-    def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+    def propose(self, rows, anchors, sampling: SamplingParams, generator, noise=None) -> list[Proposal]:
+        # noise: seeded rows' couplings, for an inner drafter that `couples_noise` (this class's
+        # attribute lookup falls through to the inner proposer's)
         self.backlog.clear_last()
         # measured costs size greedy rounds at batch 1; a sampled request's drafts must not depend on timing
         sizable = self.cost_cut and sampling.greedy and self.batch_size == 1 and list(rows) == [0]
@@ -491,7 +493,7 @@ class WithLookup:
             if self.idle.idle():
                 return [NO_COPY]
             start = time.perf_counter()
-            p = self._sized_round(anchors[0], sampling, generator, cost)
+            p = self._sized_round(anchors[0], sampling, generator, cost, noise)
             self.idle.observe_sizing(time.perf_counter() - start, cost[0] + cost[1])
             return [p]
         chains = {b: self.lookup.chain(b) for b in rows}
@@ -506,7 +508,9 @@ class WithLookup:
             # (`BlockProposer.propose`), and drafts all rows in one forward anyway: ask for all of them
             ask = list(rows)
         anchor_of = dict(zip(rows, anchors))
-        inner = dict(zip(ask, self._draft(ask, [anchor_of[b] for b in ask], sampling, generator))) if ask else {}
+        noise_of = dict(zip(rows, noise)) if noise is not None else None
+        asked_noise = None if noise_of is None else [noise_of[b] for b in ask]
+        inner = dict(zip(ask, self._draft(ask, [anchor_of[b] for b in ask], sampling, generator, asked_noise))) if ask else {}
         out = []
         for b in rows:
             c = chains[b]
@@ -518,12 +522,13 @@ class WithLookup:
                 out.append(graft_tree(inner[b], c))
         return out
 
-    def _draft(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
+    def _draft(self, rows, anchors, sampling: SamplingParams, generator, noise=None) -> list[Proposal]:
         """The drafter's proposals for `rows`, once it has ingested what it holds."""
         self.backlog.catch_up()
-        return self.inner.propose(rows, anchors, sampling, generator)
+        return self.inner.propose(rows, anchors, sampling, generator, **coupled(noise))
 
-    def _sized_round(self, anchor: int, sampling: SamplingParams, generator, cost: tuple[float, float]) -> Proposal:
+    def _sized_round(self, anchor: int, sampling: SamplingParams, generator, cost: tuple[float, float],
+                     noise=None) -> Proposal:
         """Row 0's round at the size with the most expected tokens per second (`verify_length.py`):
         the copies alone when the drafter is not expected to pay, else the drafter's drafts (and the
         copies: one chain or a grafted tree) cut by the drafter's calibrated survivals."""
@@ -543,7 +548,7 @@ class WithLookup:
         self.backlog.catch_up()
         start = time.perf_counter()
         try:
-            p = self.inner.propose([0], [anchor], sampling, generator)[0]
+            p = self.inner.propose([0], [anchor], sampling, generator, **coupled(noise))[0]
         finally:
             if staged:
                 self.inner.stop_rule = None
