@@ -359,3 +359,23 @@ def test_seeded_rows_draft_on_their_noise_in_the_graphs(folders, kind, monkeypat
     stats = out.stats[0]
     assert sum(stats.proposed_per_position) >= len(out.tokens[0]) // 2
     assert stats.accepted_per_position == stats.proposed_per_position  # every verified draft kept
+
+
+def test_bench_coupled_compares_both_ways_of_drafting_and_writes_its_report(folders, tmp_path, monkeypatch):
+    """`python -m specrt.tools.bench_coupled` on the tiny engines: a row per drafter, temperature and way,
+    every text equal to plain decoding's at its seed, and the report files."""
+    import json
+
+    import specrt.tools.bench_coupled as bench
+
+    monkeypatch.setattr(bench, "prompt_texts", lambda mtbench, code: ["w5 w9 w23", "w40 w2"][: mtbench + code])
+    out = tmp_path / "coupled"
+    engines = ",".join(str(folders["engines"][k]) for k in KINDS)
+    assert bench.main(["--engines", engines, "--temperatures", "1.0", "--mtbench", "1", "--code", "1",
+                       "--max-new-tokens", "12", "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [(r["drafter"], r["way"]) for r in rows] == [(k, w) for k in KINDS for w in bench.WAYS]
+    assert all(r["identical"] == r["prompts"] == 2 and r["tau"] >= 1.0 for r in rows)
+    assert (out / "bench.png").stat().st_size > 0 and "coupled" in (out / "bench.md").read_text()
+    with pytest.raises(SystemExit, match="temperatures > 0"):
+        bench.main(["--engines", engines, "--temperatures", "0"])
