@@ -78,6 +78,14 @@ def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))  # u == 0 gives -inf: that token is never the argmax
 
 
+def scaled_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits / T, float32, -inf where top-k / top-p keep no mass: what the noise is added to."""
+    scores = logits.float() / params.temperature
+    if params.top_k or params.top_p < 1.0:
+        scores = scores.masked_fill(probabilities(logits, params) == 0, float("-inf"))
+    return scores
+
+
 def perturbed_scores(logits: torch.Tensor, params: SamplingParams, indices: Sequence[int]) -> torch.Tensor:
     """logits [n, V] (row i predicts generated index indices[i]) -> logits / T + G, float32 [n, V],
     -inf where top-k / top-p keep no mass.
@@ -86,9 +94,7 @@ def perturbed_scores(logits: torch.Tensor, params: SamplingParams, indices: Sequ
     argmax of log p + G without the softmax and the log (a third of a plain sampled step's host time)."""
     if params.seed is None or params.greedy:
         raise ValueError("perturbed scores are for seeded sampling (temperature > 0 and a seed)")
-    scores = logits.float() / params.temperature
-    if params.top_k or params.top_p < 1.0:
-        scores = scores.masked_fill(probabilities(logits, params) == 0, float("-inf"))
+    scores = scaled_scores(logits, params)
     vocab = int(scores.shape[-1])
     if len(indices) == 1:
         return scores + gumbel_noise(params.seed, indices[0], vocab).to(scores.device)
@@ -135,9 +141,7 @@ class DraftNoise:
         their argmax is the coupled draft. vocab_size: the target's (default: N, logits over the target's
         vocabulary); token_ids: the target id of each of the N logits."""
         vocab = int(vocab_size if vocab_size is not None else logits.shape[-1])
-        scores = logits.float() / self.params.temperature
-        if self.params.top_k or self.params.top_p < 1.0:
-            scores = scores.masked_fill(probabilities(logits, self.params) == 0, float("-inf"))
+        scores = scaled_scores(logits, self.params)
         if isinstance(depth, int):
             g = self.noise(depth, vocab, token_ids)
         else:

@@ -306,7 +306,7 @@ class DecodeStep:
             sampling = group[0].rule.draft_sampling
             call = rows if all_rows else group
             noise = None
-            if coupling:
+            if coupling and any(r.rule.seeded for r in group):
                 members = {id(r) for r in group}
                 noise = [r.rule.draft_noise(r.generated) if id(r) in members else None for r in call]
             drafted = proposer.propose([r.row for r in call], [r.anchor for r in call], sampling,

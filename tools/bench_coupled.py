@@ -14,10 +14,11 @@ plain decoding's at that seed. Writes bench.md, bench.json and bench.png under -
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
+
+from specrt.tools.report_files import write_report
 
 WAYS = ("coupled", "greedy drafts")
 
@@ -86,12 +87,13 @@ def render(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = report["rows"]
     groups = sorted({(r["drafter"], r["temperature"]) for r in rows}, key=lambda g: (g[0], -g[1]))
     fig, ax = plt.subplots(figsize=(1.4 * len(groups) + 2, 3.2))
     width = 0.38
@@ -124,14 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure([f for f in args.engines.split(",") if f], temperatures, prompt_texts(args.mtbench, args.code),
                    args.max_new_tokens, args.max_drafts, args.threads)
     table = render(rows, args)
-    print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.md").write_text(table)
-        (out / "bench.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-        plot(rows, out / "bench.png")
-        print(f"wrote {out}/bench.md, bench.json, bench.png")
+        write_report(Path(args.out), "bench", {"settings": vars(args), "rows": rows}, table, plot)
+    else:
+        print(table)
     return 0
 
 

@@ -229,12 +229,13 @@ class DSparkDrafter(DFlashDrafter):
         prev = block_ids[:, 0]
         state = None
         tokens, probs, confs = [], [], []
+        if gumbel is not None:  # per-row scale of the caller's noise
+            scale = torch.as_tensor(temperature, dtype=base.dtype, device=base.device).expand(base.shape[0])[:, None]
         for k in range(block_ids.shape[1]):
             logits, state = self.markov_head.step(base[:, k], prev, hidden[:, k], state)
             confs.append(self.confidence(hidden[:, k], prev))
             if gumbel is not None:
-                scale = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(logits.shape[0])
-                token = torch.argmax(logits + scale[:, None] * gumbel[:, k].to(logits.dtype), dim=-1)
+                token = torch.argmax(logits + scale * gumbel[:, k].to(logits.dtype), dim=-1)
             elif temperature <= 0:
                 token = torch.argmax(logits, dim=-1)
             else:
