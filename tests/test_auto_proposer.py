@@ -326,3 +326,23 @@ def test_a_named_drafter_keeps_its_idle_rounds_under_auto(target):
     result = generate_speculative(TorchTargetEngine(target, 256, 1), auto, [PROMPTS[0]], 96, sampling)
     assert result.tokens == plain(target, [PROMPTS[0]], 96, sampling)
     assert drafter.idle.gap == MAX_IDLE
+
+
+def test_a_named_drafter_under_auto_carries_its_idle_rule_to_the_next_request(target):
+    """`begin_request` reaches both arms: the second request at temperature 1 starts with what the
+    first taught the drafter arm's and the copies arm's idle rules."""
+    from specrt.runtime.proposers.verify_length import MIN_SIZED
+    from test_verify_length import FixedCost
+
+    drafter = WithLookup(eagle3(target), max_tokens=5, threshold=0.0)
+    auto = AutoProposer(LookupProposer(), drafter, pinned=DRAFTER)
+    auto.copies.step_cost = drafter.step_cost = FixedCost((1e-6, 1e-7))
+    sampling = SamplingParams(temperature=1.0, seed=3)
+    engine = TorchTargetEngine(target, 256, 1)
+    generate_speculative(engine, auto, [PROMPTS[0]], 96, sampling)
+    learned = drafter.idle.rounds
+    assert learned >= MIN_SIZED
+    auto.reset(1, engine.capacity)
+    assert drafter.idle.rounds == 0
+    auto.begin_request(SamplingParams(temperature=1.0, seed=4))
+    assert drafter.idle.rounds == learned and auto.copies.idle.key == drafter.idle.key

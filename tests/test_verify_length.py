@@ -162,8 +162,8 @@ def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     assert len(rounds) < n // 4  # the drafter ran in few rounds
     proposer.idle.left = 0
     assert not proposer.idle.idle()
-    proposer.idle.observe_sizing(1e-4, 5e-3)  # a 5 ms step, and a round that accepts drafts:
-    proposer.idle.observe_accepted(3)  # the next one is sized
+    proposer.idle.observe_sizing(1e-4, 1.0)  # a 1 s step (far above any sizing's measured time),
+    proposer.idle.observe_accepted(3)  # and a round that accepts drafts: the next one is sized
     assert proposer.idle.gap == 2 and proposer.idle.left == 0 and not proposer.idle.idle()
 
     loopy = MAKERS["eagle3-tree"](target)
@@ -171,6 +171,55 @@ def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     idle = loopy.idle.idle
     loopy.idle.idle = lambda: calls.append(idle()) or calls[-1]
     tokens, _ = run(target, loopy, LOOPY[0], CHEAP, idle=True)
+    assert tokens == plain_text(target, LOOPY[0])
+    assert calls and not any(calls)
+
+
+def test_what_the_idle_rule_learned_carries_to_the_next_request_sampled_alike():
+    """A request at temperature 1 starts where the last one at temperature 1 left the idle rule; a
+    greedy request starts from the greedy state (here: none, so afresh)."""
+    hot, greedy = SamplingParams(temperature=1.0, seed=1), SamplingParams()
+    idle = IdleRounds()
+    idle.begin(hot)
+    for _ in range(MIN_SIZED):
+        assert not idle.idle()
+        idle.observe_sizing(1e-3, 5e-3)
+        idle.observe_accepted(0)
+    assert idle.left > 0
+    learned = (idle.accepted, idle.seconds, idle.gap, idle.rounds)
+    idle.forget()  # the next request
+    assert idle.rounds == 0 and idle.accepted is None
+    idle.begin(greedy)
+    assert idle.rounds == 0 and idle.accepted is None and idle.gap == 2
+    idle.forget()
+    idle.begin(SamplingParams(temperature=1.0, seed=7))  # another seed, the same settings
+    assert (idle.accepted, idle.seconds, idle.gap, idle.rounds) == learned
+    assert not idle.idle()  # its first round is sized, then the learned gap
+    idle.observe_sizing(1e-3, 5e-3)
+    idle.observe_accepted(0)
+    assert idle.left == learned[2]
+    idle.forget()
+    idle.begin(SamplingParams(temperature=0.7, seed=1))
+    assert idle.rounds == 0
+
+
+def test_a_second_sampled_request_runs_fewer_sized_rounds_and_keeps_its_text(target):
+    """Through `generate`: the second request at temperature 1 skips the re-learning, its text is
+    still the seed's; a greedy request after them sizes every round of a loop that copies pay on."""
+    n = 96
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    want = plain(target, [PROMPTS[0]], n, sampled)[0]
+    proposer = MAKERS["eagle3-tree"](target)
+    first_tokens, first = run(target, proposer, PROMPTS[0], (1e-6, 1e-7), sampled, n, idle=True, seeded_sampling="noise")
+    assert proposer.idle.rounds >= MIN_SIZED
+    second_tokens, second = run(target, proposer, PROMPTS[0], (1e-6, 1e-7), sampled, n, idle=True, seeded_sampling="noise")
+    assert first_tokens == second_tokens == want
+    assert len(second) < len(first) // 2
+
+    calls = []
+    idle = proposer.idle.idle
+    proposer.idle.idle = lambda: calls.append(idle()) or calls[-1]
+    tokens, _ = run(target, proposer, LOOPY[0], CHEAP, idle=True)
     assert tokens == plain_text(target, LOOPY[0])
     assert calls and not any(calls)
 

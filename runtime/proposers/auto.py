@@ -142,10 +142,16 @@ class AutoProposer:
     # ---------------------------------------------------------------- the Proposer interface
     def reset(self, batch_size: int, capacity: int) -> None:
         self.copies.reset(batch_size, capacity)
-        if self.inner is not None:
-            self.inner.reset(batch_size, capacity)
+        if self.drafter is not None:  # WithLookup's reset: its drafter, sizing and idle rule too
+            self.drafter.reset(batch_size, capacity)
             self.backlog.drop()
         self._new_request(batch_size)
+
+    def begin_request(self, sampling: SamplingParams) -> None:
+        for arm in (self.copies, self.drafter):
+            begin = getattr(arm, "begin_request", None)
+            if begin is not None:
+                begin(sampling)
 
     def _new_request(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -302,7 +308,7 @@ class AutoProposer:
                 f"{self.rates[best].request_rate:.1f} tok/s in probe rounds (--drafter auto picks the fastest)")
 
     # hooks the serving batcher and the decode step probe with hasattr: never the arms'
-    _OWN = frozenset({"observe_copies", "observe_drafter", "propose_copies", "prefix_view", "reset_row",
+    _OWN = frozenset({"begin_request", "observe_copies", "observe_drafter", "propose_copies", "prefix_view", "reset_row",
                       "last_chains", "lookup", "copies", "drafter", "inner", "pinned", "rates"})
 
     def __getattr__(self, name: str):

@@ -318,6 +318,9 @@ class LookupProposer:
         self.lookup.reset(batch_size)
         self.idle.forget()
 
+    def begin_request(self, sampling: SamplingParams) -> None:
+        self.idle.begin(sampling)  # what earlier requests sampled alike taught the idle rule
+
     def reset_row(self, row: int) -> None:
         self.lookup.reset_row(row)
 
@@ -429,6 +432,9 @@ class WithLookup:
         self.sizing.forget()
         self.idle.forget()
         self.backlog.drop()
+
+    def begin_request(self, sampling: SamplingParams) -> None:
+        self.idle.begin(sampling)  # what earlier requests sampled alike taught the idle rule
 
     def reset_row(self, row: int) -> None:
         from specrt.runtime.serving.rows import reset_proposer_row

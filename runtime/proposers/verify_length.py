@@ -57,6 +57,14 @@ exactly where its tokens per second fall below plain decoding's. The gap of idle
 2 to `MAX_IDLE` while that holds and resets once it does not. Greedy text that copies pay on accepts
 ~1-3 drafts a round and is never idle.
 
+What the idle rule learned carries over to the next request with the same sampling settings
+(`IdleRounds.begin`, keyed by temperature, top-k and top-p: a request at temperature 1 after
+one at temperature 1), so a request does not spend its first `MIN_SIZED` rounds re-learning that
+nothing pays; a request with other settings (greedy after sampled) starts from its own state or
+afresh. Measured on the int4 EAGLE-3 folder, named, 4 MT-bench prompts x 256 tokens at temperature
+1: after the first request, 10 rounds in 1000 verified drafts and 10 ran the drafter (gaps of up to
+32, carried), against 77 rounds that verified drafts with gaps of at most 8.
+
 Lossless. Every choice here reads the committed history, past records, past step times and the
 drafter's own output, never this step's target output, and the target verifies whatever is left:
 greedy output is the target's. Timing-dependent cuts are made only for greedy drafting (the
@@ -186,17 +194,25 @@ def sized(p: Proposal, survival: Sequence[float], cost: tuple[float, float],
     return subtree(p, keep, survival), rate, expected
 
 
-FIRST_IDLE, MAX_IDLE = 2, 8  # idle rounds after a sizing that did not pay for itself, doubling
+FIRST_IDLE, MAX_IDLE = 2, 32  # idle rounds after a sizing that did not pay for itself, doubling
 MIN_SIZED = 16  # sized rounds of a request before it may idle (its first rounds may not copy yet)
 
 
 class IdleRounds:
-    """Whether sizing a round pays for itself (module docstring: idle rounds)."""
+    """Whether sizing a round pays for itself (module docstring: idle rounds), per request, with what
+    earlier requests of the same sampling settings learned (`begin`)."""
+
+    _LEARNED = ("accepted", "seconds", "extra", "plain_seconds", "gap", "rounds")
 
     def __init__(self, decay: float = 0.95) -> None:
         # a slow mean (~20 rounds): greedy text has stretches where nothing lands between ones that
         # copy, and an idle gap there misses the copies that follow
         self.decay = float(decay)
+        self.key: object = None  # the sampling settings of the request in flight (`begin`)
+        self.learned: dict[object, tuple] = {}  # per sampling settings: the state the last request left
+        self._fresh()
+
+    def _fresh(self) -> None:
         self.accepted: float | None = None  # decayed mean of the drafts accepted per sized round
         self.seconds: float | None = None  # decayed mean of a sizing's seconds
         self.extra: float | None = None  # decayed mean of a sized round's verify seconds beyond a plain step's
@@ -204,7 +220,7 @@ class IdleRounds:
         self.left = 0  # idle rounds still to run
         self.gap = FIRST_IDLE
         self.sized = False  # the last round was sized (its accepted drafts are scored)
-        self.rounds = 0  # sized rounds scored in this request
+        self.rounds = 0  # sized rounds scored (in this request, or carried over by `begin`)
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -239,8 +255,20 @@ class IdleRounds:
             self.gap = FIRST_IDLE
 
     def forget(self) -> None:
-        self.accepted = self.seconds = self.extra = None
-        self.left, self.gap, self.sized, self.rounds = 0, FIRST_IDLE, False, 0
+        """A new request (or rows reset): start afresh, keeping what this one learned for `begin`."""
+        if self.key is not None:
+            self.learned[self.key] = tuple(getattr(self, name) for name in self._LEARNED)
+        self.key = None
+        self._fresh()
+
+    def begin(self, sampling) -> None:
+        """The request about to run samples with `sampling`: pick up what the last request with the
+        same settings learned (its first round is sized all the same)."""
+        self.key = "greedy" if sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p)
+        state = self.learned.get(self.key)
+        if state is not None:
+            for name, value in zip(self._LEARNED, state):
+                setattr(self, name, value)
 
 
 class VerifyLength:
