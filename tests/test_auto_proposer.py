@@ -316,7 +316,7 @@ def test_a_round_chosen_to_run_plain_runs_the_copies_that_pay(target):
 def test_a_named_drafter_keeps_its_idle_rounds_under_auto(target):
     """A named drafter runs as auto's pinned arm; its rounds still go idle where sizing cannot pay (a
     plain step of a microsecond), which needs auto to score the drafter arm's rounds for it."""
-    from specrt.runtime.proposers.verify_length import MAX_IDLE
+    from specrt.runtime.proposers.verify_length import MAX_IDLE_SAMPLED
     from test_verify_length import FixedCost
 
     drafter = WithLookup(eagle3(target), max_tokens=5, threshold=0.0)
@@ -325,7 +325,7 @@ def test_a_named_drafter_keeps_its_idle_rounds_under_auto(target):
     sampling = SamplingParams(temperature=1.0, seed=3)
     result = generate_speculative(TorchTargetEngine(target, 256, 1), auto, [PROMPTS[0]], 96, sampling)
     assert result.tokens == plain(target, [PROMPTS[0]], 96, sampling)
-    assert drafter.idle.gap == MAX_IDLE
+    assert drafter.idle.gap == MAX_IDLE_SAMPLED
 
 
 def test_a_named_drafter_under_auto_carries_its_idle_rule_to_the_next_request(target):

@@ -14,7 +14,7 @@ from specrt.runtime.backends.torch_backend import TorchTargetEngine
 from specrt.runtime.proposers.auto import AutoProposer
 from specrt.runtime.proposers.base import Proposal
 from specrt.runtime.proposers.lookup import LookupProposer, WithLookup
-from specrt.runtime.proposers.verify_length import MAX_IDLE, MIN_SIZED, DraftRecord, IdleRounds, VerifyLength, sized, tree_order
+from specrt.runtime.proposers.verify_length import MAX_IDLE, MAX_IDLE_SAMPLED, MIN_SIZED, DraftRecord, IdleRounds, VerifyLength, sized, tree_order
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative
 from specrt.runtime.tree import check_parents
@@ -150,7 +150,7 @@ def test_sampled_requests_are_not_sized_by_the_clock(target, kind):
 def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     """Where a plain step costs next to nothing (a microsecond here), no accepted draft pays for
     sizing a round: after the first sized rounds, rounds run as plain steps (no drafter, no lookup)
-    in gaps that double up to MAX_IDLE, and the text is the seed's (temperature 1, seeded rule).
+    in gaps that double up to MAX_IDLE_SAMPLED, and the text is the seed's (temperature 1, seeded rule).
     Where a step costs a second, copies accepted in a greedy loop keep every round sized."""
     n = 96
     sampled = SamplingParams(temperature=1.0, seed=3)
@@ -158,7 +158,7 @@ def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     proposer = MAKERS["eagle3-tree"](target)
     tokens, rounds = run(target, proposer, PROMPTS[0], (1e-6, 1e-7), sampled, n, idle=True, seeded_sampling="noise")
     assert tokens == want
-    assert proposer.idle.gap == MAX_IDLE
+    assert proposer.idle.gap == MAX_IDLE_SAMPLED
     assert len(rounds) < n // 4  # the drafter ran in few rounds
     proposer.idle.left = 0
     assert not proposer.idle.idle()
@@ -201,6 +201,23 @@ def test_what_the_idle_rule_learned_carries_to_the_next_request_sampled_alike():
     idle.forget()
     idle.begin(SamplingParams(temperature=0.7, seed=1))
     assert idle.rounds == 0
+
+
+@pytest.mark.parametrize("sampling, longest", [(SamplingParams(), MAX_IDLE),
+                                                (SamplingParams(temperature=1.0, seed=1), MAX_IDLE_SAMPLED)])
+def test_idle_gaps_stay_short_on_greedy_text(sampling, longest):
+    """Greedy text copies again after stretches where nothing lands: its idle gaps stop at MAX_IDLE;
+    a sampled request's grow to MAX_IDLE_SAMPLED."""
+    idle = IdleRounds()
+    idle.begin(sampling)
+    gaps = []
+    for _ in range(MIN_SIZED + 12):
+        while idle.idle():
+            pass
+        idle.observe_sizing(1e-3, 5e-3)
+        idle.observe_accepted(0)
+        gaps.append(idle.left)
+    assert max(gaps) == longest
 
 
 def test_a_second_sampled_request_runs_fewer_sized_rounds_and_keeps_its_text(target):

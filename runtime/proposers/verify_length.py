@@ -54,8 +54,8 @@ plain step, when the drafts accepted per sized round (decayed means, after `MIN_
 of the request) are worth less than what a sized round costs beyond a plain step: accepted drafts x a
 plain step's seconds < sizing seconds + (the round's verify seconds - a plain step's), which is
 exactly where its tokens per second fall below plain decoding's. The gap of idle rounds doubles from
-2 to `MAX_IDLE` while that holds and resets once it does not. Greedy text that copies pay on accepts
-~1-3 drafts a round and is never idle.
+2 to `MAX_IDLE` (greedy) or `MAX_IDLE_SAMPLED` (sampled) while that holds and resets once it does
+not. Greedy text that copies pay on accepts ~1-3 drafts a round and is never idle.
 
 What the idle rule learned carries over to the next request with the same sampling settings
 (`IdleRounds.begin`, keyed by temperature, top-k and top-p: a request at temperature 1 after
@@ -63,7 +63,7 @@ one at temperature 1), so a request does not spend its first `MIN_SIZED` rounds 
 nothing pays; a request with other settings (greedy after sampled) starts from its own state or
 afresh. Measured on the int4 EAGLE-3 folder, named, 4 MT-bench prompts x 256 tokens at temperature
 1: after the first request, 10 rounds in 1000 verified drafts and 10 ran the drafter (gaps of up to
-32, carried), against 77 rounds that verified drafts with gaps of at most 8.
+32, carried), against 77 rounds that verified drafts with gaps of at most 8, as greedy requests keep.
 
 Lossless. Every choice here reads the committed history, past records, past step times and the
 drafter's own output, never this step's target output, and the target verifies whatever is left:
@@ -194,7 +194,11 @@ def sized(p: Proposal, survival: Sequence[float], cost: tuple[float, float],
     return subtree(p, keep, survival), rate, expected
 
 
-FIRST_IDLE, MAX_IDLE = 2, 32  # idle rounds after a sizing that did not pay for itself, doubling
+# idle rounds after a sizing that did not pay for itself, doubling up to MAX_IDLE for greedy requests
+# (greedy text has stretches where nothing lands between ones that copy: a long gap misses the copies
+# that follow; on the int4 DFlash folder a gap of 32 cut its tau on MT-bench from 3.3 to 2.3) and up
+# to MAX_IDLE_SAMPLED for sampled ones (nothing lands and nothing comes back)
+FIRST_IDLE, MAX_IDLE, MAX_IDLE_SAMPLED = 2, 8, 32
 MIN_SIZED = 16  # sized rounds of a request before it may idle (its first rounds may not copy yet)
 
 
@@ -250,7 +254,7 @@ class IdleRounds:
         self.accepted = self._mean(self.accepted, float(drafts))
         self.rounds += 1
         if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds + (self.extra or 0.0):
-            self.left, self.gap = self.gap, min(2 * self.gap, MAX_IDLE)
+            self.left, self.gap = self.gap, min(2 * self.gap, MAX_IDLE if self.key in (None, "greedy") else MAX_IDLE_SAMPLED)
         else:
             self.gap = FIRST_IDLE
 
