@@ -105,6 +105,17 @@ def run(target, proposer, prompt, cost, sampling=SamplingParams(), n=N, idle=Fal
     return result.tokens[0], [tuple(r) for r in rounds if len(r) == 2]
 
 
+def assert_sizes_every_round_of_a_loop(target, proposer) -> None:
+    """Greedy text in a loop, where copies pay: the proposer sizes every round (none idles) and the
+    text is plain decoding's."""
+    calls = []
+    idle = proposer.idle.idle
+    proposer.idle.idle = lambda: calls.append(idle()) or calls[-1]
+    tokens, _ = run(target, proposer, LOOPY[0], CHEAP, idle=True)
+    assert tokens == plain_text(target, LOOPY[0])
+    assert calls and not any(calls)
+
+
 @pytest.mark.parametrize("kind", ["eagle3-tree", "dflash-chain", "dspark-chain"])
 def test_expensive_rows_shorten_proposals_and_greedy_output_stays_plain(target, kind):
     proposer = MAKERS[kind](target)
@@ -166,13 +177,7 @@ def test_rounds_whose_sizing_does_not_pay_run_as_plain_steps(target):
     proposer.idle.observe_accepted(3)  # and a round that accepts drafts: the next one is sized
     assert proposer.idle.gap == 2 and proposer.idle.left == 0 and not proposer.idle.idle()
 
-    loopy = MAKERS["eagle3-tree"](target)
-    calls = []
-    idle = loopy.idle.idle
-    loopy.idle.idle = lambda: calls.append(idle()) or calls[-1]
-    tokens, _ = run(target, loopy, LOOPY[0], CHEAP, idle=True)
-    assert tokens == plain_text(target, LOOPY[0])
-    assert calls and not any(calls)
+    assert_sizes_every_round_of_a_loop(target, MAKERS["eagle3-tree"](target))
 
 
 def test_what_the_idle_rule_learned_carries_to_the_next_request_sampled_alike():
@@ -233,12 +238,7 @@ def test_a_second_sampled_request_runs_fewer_sized_rounds_and_keeps_its_text(tar
     assert first_tokens == second_tokens == want
     assert len(second) < len(first) // 2
 
-    calls = []
-    idle = proposer.idle.idle
-    proposer.idle.idle = lambda: calls.append(idle()) or calls[-1]
-    tokens, _ = run(target, proposer, LOOPY[0], CHEAP, idle=True)
-    assert tokens == plain_text(target, LOOPY[0])
-    assert calls and not any(calls)
+    assert_sizes_every_round_of_a_loop(target, proposer)
 
 
 def test_a_sized_round_pays_for_its_verify_rows_too():
