@@ -324,11 +324,13 @@ def export_engine(
             from specrt.export import ort_fused as fused
 
             reason = fused.supports(model)
-            with stages.stage(f"graph {fused.GRAPH_NAME} (ONNX Runtime contrib ops)") as info:
-                if reason:
-                    info["note"] = f"skipped: {reason}"
-                else:
-                    graph = fused.export_fused_target(model, tmp, torch_dtype, external_data)
+            for causal in (False, True):  # target_ort and its causal twin for plain decoding
+                name = fused.CAUSAL_GRAPH_NAME if causal else fused.GRAPH_NAME
+                with stages.stage(f"graph {name} (ONNX Runtime contrib ops)") as info:
+                    if reason:
+                        info["note"] = f"skipped: {reason}"
+                        break
+                    graph = fused.export_fused_target(model, tmp, torch_dtype, external_data, causal)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{size / 2**20:.1f} MB"
                     exported.append(graph)

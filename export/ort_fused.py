@@ -37,6 +37,17 @@ give bitwise equal rows for one row or several), keep their one-row cost. Measur
 SmolLM2 engine, 10 MT-bench prompts x 128 tokens: one-row decoding 131 tok/s (text equal to the
 speculative decoder's on 2/10), attention rows 127 tok/s (10/10), two full rows 110 tok/s (10/10).
 
+The causal twin (graph `target_ort_causal`, `build_graph(causal=True)`): the same layers without
+position_ids, attention_bias or attention rows. GroupQueryAttention then masks causally and takes each
+new token's position from its slot (total - seq + t), so it serves exactly the calls where both hold:
+a prompt, a plain decoding step, a chain of new tokens right after the committed ones. For those its
+logits, taps and K/V equal `target_ort`'s bitwise (its attention sums the same visible slots; a zero
+bias adds nothing), and it skips what they cost: the bias and position inputs and the 2 x layers
+attention-row kernels are ~10% of a one-token int4 call (interleaved raw ORT calls at 300 tokens of
+context: `target_ort` 1.12x, this graph 1.02x the time of onnxruntime-genai's own int4 graph). The
+runtime loads it in place of `target_ort` for plain decoding in one-row calls (`load_engines`).
+Contract: `target_ort`'s without position_ids and attention_bias.
+
 Limits, from GroupQueryAttention's CPU kernel: batch must be 1 whenever seq > 1 with a past, and
 new tokens always occupy the slots right after the committed ones (true of the target engine:
 `TorchTargetEngine` writes at length + t). The runtime therefore uses this graph for single-stream
@@ -61,6 +72,7 @@ from specrt.export.onnx_export import _ONNX_DTYPE_NAMES, EXTERNAL_DATA_THRESHOLD
 from specrt.export.shared_weights import PARTS_KEY
 
 GRAPH_NAME = "target_ort"
+CAUSAL_GRAPH_NAME = "target_ort_causal"  # the causal twin (module docstring)
 # the symbolic dim of position_ids / attention_bias: attention's rows (module docstring); folders
 # exported before it was added name it "seq" and cannot take a one-token call with attention rows
 ATTENTION_ROWS_DIM = "attn_seq"
@@ -186,8 +198,9 @@ def _attention_rows(g: _Builder) -> tuple[str, str]:
     return index, seq
 
 
-def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
-    """The onnx.ModelProto of the fused target (weights in memory; `export_fused_target` saves it)."""
+def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: bool = False):
+    """The onnx.ModelProto of the fused target (weights in memory; `export_fused_target` saves it);
+    causal: its causal twin, without position_ids, attention_bias and attention rows (docstring)."""
     from onnx import TensorProto, helper
 
     reason = supports(model)
@@ -207,7 +220,7 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
     embed = g.weight("embed_tokens.weight", model.embed_tokens.weight)
     (x,) = g.node("Gather", [embed, "input_ids"], ["embedded"], "embed")
 
-    attn_index, seq_1d = _attention_rows(g)
+    attn_index, seq_1d = (None, None) if causal else _attention_rows(g)
     taps: dict[int, str] = {0: x}
     residual = x
     pending = None  # the previous layer's MLP output, not yet added to the residual
@@ -226,17 +239,22 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
         # packed q|k|v (key and value left empty): GQA splits it itself, which saves a Split kernel
         # a layer (~5 us each at one row, 2% of an int4 decode step)
         qkv = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj")
-        (qkv_rows,) = g.node("Gather", [qkv, attn_index], [f"{p}.qkv_rows"], f"{p}.attention_rows", axis=1)
+        attention_inputs = [qkv, "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
+                            "rotary.cos_cache", "rotary.sin_cache"]
+        if not causal:
+            (qkv_rows,) = g.node("Gather", [qkv, attn_index], [f"{p}.qkv_rows"], f"{p}.attention_rows", axis=1)
+            attention_inputs[0] = qkv_rows
+            attention_inputs += ["position_ids", "attention_bias"]
         (a_rows, _, _) = g.node(
-            "GroupQueryAttention",
-            [qkv_rows, "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
-             "rotary.cos_cache", "rotary.sin_cache", "position_ids", "attention_bias"],
+            "GroupQueryAttention", attention_inputs,
             [f"{p}.attn_rows", f"present_key_{i}", f"present_value_{i}"], f"{p}.attention", domain=MS_DOMAIN,
             num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, scale=1.0 / math.sqrt(c.head_dim),
             do_rotary=1, rotary_interleaved=0,
         )
-        (a,) = g.node("Slice", [a_rows, "attention_rows.zero", seq_1d, "attention_rows.one"], [f"{p}.attn"],
-                      f"{p}.attention_rows_out")
+        a = a_rows
+        if not causal:
+            (a,) = g.node("Slice", [a_rows, "attention_rows.zero", seq_1d, "attention_rows.one"], [f"{p}.attn"],
+                          f"{p}.attention_rows_out")
         o = g.linear(a, attn.o_proj, f"{p}.o_proj")
         gamma = g.weight(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         h, residual = g.node("SkipSimplifiedLayerNormalization", [o, residual, gamma],
@@ -287,12 +305,15 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
     cache_shape = ["batch", c.num_kv_heads, "capacity", c.head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", ATTENTION_ROWS_DIM]),
-        helper.make_tensor_value_info("attention_bias", elem, ["batch", 1, ATTENTION_ROWS_DIM, "total"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("logit_rows", TensorProto.INT64, ["batch", "rows"]),
     ]
+    if not causal:
+        inputs[1:1] = [
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", ATTENTION_ROWS_DIM]),
+            helper.make_tensor_value_info("attention_bias", elem, ["batch", 1, ATTENTION_ROWS_DIM, "total"]),
+        ]
     for i in range(c.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", elem, cache_shape))
@@ -300,7 +321,7 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32):
     known = {v.name for v in inputs + outputs}
     value_info = [helper.make_tensor_value_info(name, elem, shape) for name, shape in g.value_info.items()
                   if name not in known]
-    graph = helper.make_graph(g.nodes, GRAPH_NAME, inputs, outputs, initializer=g.initializers,
+    graph = helper.make_graph(g.nodes, CAUSAL_GRAPH_NAME if causal else GRAPH_NAME, inputs, outputs, initializer=g.initializers,
                               value_info=value_info)
     model_proto = helper.make_model(graph, producer_name="specrt",
                                     opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(MS_DOMAIN, 1)])
@@ -332,17 +353,20 @@ def validate(path: Path) -> None:
 
 
 def export_fused_target(model: LlamaModel, folder: Path, dtype: torch.dtype = torch.float32,
-                        external_data: str = "auto") -> ExportedGraph:
-    """Write folder/target_ort.onnx (+ .data) and return its manifest entry (`runtime`: onnxruntime)."""
+                        external_data: str = "auto", causal: bool = False) -> ExportedGraph:
+    """Write folder/target_ort.onnx (causal: target_ort_causal.onnx) (+ .data) and return its manifest
+    entry (`runtime`: onnxruntime)."""
     start = time.perf_counter()
-    proto = build_graph(model, dtype)
+    name = CAUSAL_GRAPH_NAME if causal else GRAPH_NAME
+    proto = build_graph(model, dtype, causal)
     weight_bytes = sum(int(np.prod(t.dims)) * (4 if t.data_type == 1 else 2) for t in proto.graph.initializer)
     use_external = external_data == "always" or (external_data == "auto" and weight_bytes > EXTERNAL_DATA_THRESHOLD)
-    path = Path(folder) / f"{GRAPH_NAME}.onnx"
+    path = Path(folder) / f"{name}.onnx"
     inputs, outputs = _io(proto.graph.input), _io(proto.graph.output)
     data_path = save_onnx(proto, path, use_external)
     del proto
     validate(path)
-    return ExportedGraph(GRAPH_NAME, "target forward on ONNX Runtime contrib ops (single stream; see "
+    what = "causal calls only: prompts, plain steps, chains; " if causal else ""
+    return ExportedGraph(name, f"target forward on ONNX Runtime contrib ops (single stream; {what}see "
                          "specrt.export.ort_fused)", path, data_path, time.perf_counter() - start, [],
                          inputs, outputs, runtime="onnxruntime")
