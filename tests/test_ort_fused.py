@@ -399,3 +399,94 @@ def test_bound_calls_give_the_general_paths_speculative_text(engine_folders):
         engine.lean_decode = True
         assert pipe.generate_ids([prompt], 20).tokens == want
         assert engine._bound is not None and engine._bound.taps
+
+
+# --- the causal twin (target_ort_causal): plain decoding in one-row steps -----------------------------
+def fused_model_of(folder, name: str) -> OrtTargetModel:
+    manifest = load_manifest(folder)
+    graph = OrtGraph(manifest.graph_path(name), manifest.graphs[name], SessionOptions(threads=1))
+    return OrtTargetModel(_Unreachable(), manifest.target_config, [], torch.float32, graph)
+
+
+def causal_run(engine: OrtTargetEngine, tokens: list[int]) -> torch.Tensor:
+    """Logits of `tokens` appended causally after the row's committed ones, then committed."""
+    from specrt.runtime.engine import causal_mask
+
+    start = int(engine.lengths[0])
+    t = len(tokens)
+    logits, _ = engine.forward(torch.tensor([tokens]), torch.arange(start, start + t)[None], causal_mask(1, t))
+    engine.commit(0, range(t))
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int4"])
+@pytest.mark.parametrize("lean", [True, False])
+def test_the_causal_twin_gives_target_orts_logits_bitwise(engine_folders, int4_folder, kind, lean):
+    """A prompt, one-token steps and a chain: the same logits and cache from both graphs, bitwise."""
+    folder = FOLDERS[kind](engine_folders, int4_folder)
+    engines = []
+    for name in ("target_ort", "target_ort_causal"):
+        engine = OrtTargetEngine(fused_model_of(folder, name), 64)
+        engine.lean_decode = lean
+        engine.reset(1)
+        engines.append(engine)
+    assert engines[1].model.causal_only and not engines[0].model.causal_only
+    for tokens in ([5, 9, 23, 7, 11], [40], [2], [18, 33, 61], [4]):
+        general, causal = (causal_run(engine, tokens) for engine in engines)
+        assert torch.equal(causal, general)
+    assert torch.equal(engines[0].k_cache, engines[1].k_cache) and torch.equal(engines[0].v_cache, engines[1].v_cache)
+
+
+def test_plain_one_row_decoding_loads_the_causal_twin(engine_folders, int4_folder, tmp_path):
+    import json
+    import shutil
+
+    def graph_of(folder, **kw) -> str:
+        return Pipeline.from_engines(folder, threads=1, verify_checksums=False, **kw).model.fused.path.stem
+
+    fp32 = engine_folders / "with"
+    assert graph_of(fp32, drafter="none") == "target_ort_causal"  # fp32 plain steps are one-row calls
+    assert graph_of(int4_folder, drafter="none", exact_plain=False) == "target_ort_causal"
+    assert graph_of(int4_folder, drafter="none") == "target_ort"  # attention rows: speculation's rounding
+    for drafter in ("auto", "lookup", "eagle3"):  # verify steps of drafts
+        assert graph_of(fp32, drafter=drafter) == "target_ort"
+    # a folder exported before the twin keeps target_ort
+    old = tmp_path / "old"
+    shutil.copytree(fp32, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["graphs"]["target_ort_causal"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert graph_of(old, drafter="none") == "target_ort"
+
+
+def test_calls_the_causal_twin_cannot_express_take_the_portable_graph(engine_folders):
+    """A tree step on a plain pipeline (e.g. one given a proposer later): the portable graph answers."""
+    plain = Pipeline.from_engines(engine_folders / "with", threads=1, drafter="none")
+    general = Pipeline.from_engines(engine_folders / "with", threads=1, drafter="auto")
+    assert plain.model.causal_only and not plain.model.graph.loaded
+    outs = []
+    for pipe in (plain, general):
+        engine = pipe._engine_factory(32, 1, 0)
+        engine.reset(1)
+        causal_run(engine, [5, 9, 23, 7])
+        # root, two children of the root, a grandchild of the first: not causal
+        tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+        logits, _ = engine.forward(torch.tensor([[11, 40, 2, 18]]), torch.tensor([[4, 5, 5, 6]]), tree)
+        outs.append(logits)
+    assert plain.model.graph.loaded
+    assert_close_scaled(outs[0], outs[1])
+
+
+def test_fast_plain_needs_plain_decoding_on_an_engine_folder(engine_folders):
+    import argparse
+
+    from specrt.tools.cli_generate import add_arguments, build_pipeline
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--engines", str(engine_folders / "with"), "--fast-plain", "--threads", "1"])
+    with pytest.raises(SpecrtError, match="--drafter none"):
+        build_pipeline(args, None)
+    args = parser.parse_args(["--engines", str(engine_folders / "with"), "--fast-plain", "--drafter", "none",
+                              "--threads", "1"])
+    assert build_pipeline(args, None).model.causal_only

@@ -23,6 +23,10 @@ exactly: a one-token call runs two attention rows, the position twice, the bias'
 the spare slot the second row writes (`with_attention_row`). Two-row decoding's copy row
 (`with_copy_row`) needs only that too, since the linear layers' rows do not depend on each other.
 At the cache end, where the general path has no spare slot for that row, it takes the call.
+
+On the causal twin (`OrtTargetModel.causal_only`: no attention_bias or position_ids inputs) nothing
+but ids and the two scalars is bound, and a call it cannot express (a tree, a position other than
+its slot) goes to the general path, which sends it to the portable graph.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ def attention_rows(model) -> int:
     return 2 if model.attention_row_decode or model.two_row_decode else 1
 
 
+def is_causal_run(position_ids: torch.Tensor, new_mask: torch.Tensor, length: int) -> bool:
+    """T new tokens of one row that the causal twin expresses: at positions length .. length+T-1 (their
+    slots), each seeing every committed slot (the caller's window) and the new tokens up to itself."""
+    t = int(position_ids.shape[-1])
+    positions = torch.arange(length, length + t, dtype=position_ids.dtype)
+    causal = torch.ones(t, t, dtype=torch.bool).tril_()
+    return bool(torch.equal(position_ids.reshape(-1), positions)) and bool(torch.equal(new_mask.reshape(t, t), causal))
+
+
 class BoundTargetCall:
     """The fused target graph's calls over one cache, bound once (module docstring)."""
 
@@ -50,6 +63,7 @@ class BoundTargetCall:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slots = int(k_cache.shape[-2])  # cache slots, spare ones included
         self.rows = attention_rows(model)
+        self.causal_only = model.causal_only  # no attention_bias / position_ids inputs (module docstring)
         self.taps = bool(model.tap_layers)
         c = model.config
         self.vocab = int(c.vocab_size)
@@ -87,29 +101,36 @@ class BoundTargetCall:
                 return None  # the general path's one-row call at the cache end (module docstring)
             if logit_rows is not None and logit_rows.item() != 0:
                 return None
-            return self.decode(input_ids.item(), position_ids.item(), length)
+            position = position_ids.item()
+            if self.causal_only and position != length:
+                return None
+            return self.decode(input_ids.item(), position, length)
         if length + t > self.slots:
             return None  # the general path refuses it with the capacity error
+        if self.causal_only and not is_causal_run(position_ids, new_mask, length):
+            return None
         return self.verify(input_ids, position_ids, new_mask, logit_rows, length)
 
     def decode(self, token: int, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token at `position`, written to slot `length` (attention rows: and a copy to the next)."""
         total = length + self.rows
         self.ids[0, 0] = token
-        self.positions.fill(position)
         self.seqlens[0] = total - 1
         self.total.fill(total)
-        bias = self.bias
-        if self.rows == 2 and self.hidden_at != total - 1:
-            if self.hidden_at >= 0:
-                bias[self.hidden_at] = 0
-            bias[total - 1] = -np.inf
-            self.hidden_at = total - 1
         binding = self.binding
-        binding.bind_input("attention_bias", "cpu", 0, bias.dtype, [1, 1, self.rows, total], bias.ctypes.data)
+        if not self.causal_only:
+            self.positions.fill(position)
+            bias = self.bias
+            if self.rows == 2 and self.hidden_at != total - 1:
+                if self.hidden_at >= 0:
+                    bias[self.hidden_at] = 0
+                bias[total - 1] = -np.inf
+                self.hidden_at = total - 1
+            binding.bind_input("attention_bias", "cpu", 0, bias.dtype, [1, 1, self.rows, total], bias.ctypes.data)
         if not self.decode_bound:  # a verify call bound its own arrays since
             binding.bind_input("input_ids", "cpu", 0, np.int64, [1, 1], self.ids.ctypes.data)
-            binding.bind_input("position_ids", "cpu", 0, np.int64, [1, self.rows], self.positions.ctypes.data)
+            if not self.causal_only:
+                binding.bind_input("position_ids", "cpu", 0, np.int64, [1, self.rows], self.positions.ctypes.data)
             binding.bind_input("logit_rows", "cpu", 0, np.int64, [1, 1], self.logit_rows.ctypes.data)
             self.decode_bound = True
         return self._run(1, 1)
@@ -122,16 +143,17 @@ class BoundTargetCall:
         total = length + t
         self.seqlens[0] = total - 1
         self.total.fill(total)
-        bias = np.zeros((t, total), dtype=self.bias.dtype)
-        bias[:, length:][~new_mask[0].numpy().astype(bool, copy=False)] = -np.inf
         ids = np.ascontiguousarray(input_ids.numpy(), dtype=np.int64)
-        positions = np.ascontiguousarray(position_ids.numpy(), dtype=np.int64)
         rows = np.arange(t, dtype=np.int64)[None] if logit_rows is None else \
             np.ascontiguousarray(logit_rows.numpy(), dtype=np.int64)
         binding = self.binding
-        binding.bind_input("attention_bias", "cpu", 0, bias.dtype, [1, 1, t, total], bias.ctypes.data)
+        if not self.causal_only:
+            bias = np.zeros((t, total), dtype=self.bias.dtype)
+            bias[:, length:][~new_mask[0].numpy().astype(bool, copy=False)] = -np.inf
+            positions = np.ascontiguousarray(position_ids.numpy(), dtype=np.int64)
+            binding.bind_input("attention_bias", "cpu", 0, bias.dtype, [1, 1, t, total], bias.ctypes.data)
+            binding.bind_input("position_ids", "cpu", 0, np.int64, [1, t], positions.ctypes.data)
         binding.bind_input("input_ids", "cpu", 0, np.int64, [1, t], ids.ctypes.data)
-        binding.bind_input("position_ids", "cpu", 0, np.int64, [1, t], positions.ctypes.data)
         binding.bind_input("logit_rows", "cpu", 0, np.int64, list(rows.shape), rows.ctypes.data)
         self.decode_bound = False
         return self._run(int(rows.shape[1]), t)

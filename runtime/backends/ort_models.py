@@ -108,7 +108,11 @@ class OrtTargetModel:
         self.fused = fused
         # the fused graph runs attention over more rows than tokens (`specrt.export.ort_fused`,
         # "attention rows"); folders exported before that cannot (read once: one-token calls ask)
-        self.takes_attention_rows = fused is not None and _takes_attention_rows(fused.spec)
+        self.takes_attention_rows = fused is not None and spec_takes_attention_rows(fused.spec)
+        # the fused graph is the causal twin (`target_ort_causal`): prompts, plain steps and chains only;
+        # other calls take the portable graph
+        self.causal_only = fused is not None and not any(i["name"] == "attention_bias"
+                                                         for i in fused.spec.get("inputs", []))
         self.config = config
         self.exported_taps = tuple(int(i) for i in tap_layers)
         self.tap_layers = self.exported_taps
@@ -170,7 +174,8 @@ class OrtTargetModel:
         if copy_row:
             input_ids, position_ids, attn_mask, write_slots = with_copy_row(input_ids, position_ids, attn_mask,
                                                                             write_slots)
-        if self.fused is not None and self._fits_fused(attn_mask, write_slots):
+        if self.fused is not None and self._fits_fused(attn_mask, write_slots) and (
+                not self.causal_only or self._fits_causal(position_ids, attn_mask)):
             logits, taps = self._call_fused(input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows)
         else:
             logits, taps = self._call_portable(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots,
@@ -237,15 +242,26 @@ class OrtTargetModel:
         start = window - t
         return start >= 0 and bool((write_slots[0] == torch.arange(start, window, device=write_slots.device)).all())
 
+    @staticmethod
+    def _fits_causal(position_ids: torch.Tensor, attn_mask: torch.Tensor) -> bool:
+        """A `_fits_fused` call the causal twin expresses: every committed slot visible to every new token,
+        the new ones causal among themselves, at the positions of their slots."""
+        from specrt.runtime.backends.ort_decode import is_causal_run
+
+        t, window = attn_mask.shape[-2], attn_mask.shape[-1]
+        return bool(attn_mask[0, :, :window - t].all()) and is_causal_run(position_ids, attn_mask[:, :, window - t:],
+                                                                           window - t)
+
     def _call_fused(self, input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows):
         total = attn_mask.shape[-1]
-        bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=attn_mask.device)
-        bias.masked_fill_(~attn_mask, float("-inf"))
         caches, present = self._cache_views(k_cache, v_cache)
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_bias": bias[:, None],
-                 "seqlens_k": torch.tensor([total - 1], dtype=torch.int32),
+        feeds = {"input_ids": input_ids, "seqlens_k": torch.tensor([total - 1], dtype=torch.int32),
                  "total_sequence_length": torch.tensor(total, dtype=torch.int32), "logit_rows": logit_rows,
                  **caches}
+        if not self.causal_only:
+            bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=attn_mask.device)
+            bias.masked_fill_(~attn_mask, float("-inf"))
+            feeds.update(position_ids=position_ids, attention_bias=bias[:, None])
         # present_* share the cache's memory: the graph writes the t new rows at slots total-t .. total-1
         wanted = ["logits", "taps"] if self.tap_layers else ["logits"]
         # one IO binding per cache row: rows of a batch (`per_row_batches`) take turns without re-binding
@@ -254,7 +270,8 @@ class OrtTargetModel:
         return out["logits"], out.get("taps") if self.tap_layers else None
 
 
-def _takes_attention_rows(spec: dict) -> bool:
+def spec_takes_attention_rows(spec: dict) -> bool:
+    """The manifest entry of a fused graph that runs attention over more rows than tokens."""
     from specrt.export.ort_fused import ATTENTION_ROWS_DIM
 
     shape = next((i["shape"] for i in spec.get("inputs", []) if i["name"] == "position_ids"), [])
