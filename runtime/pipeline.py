@@ -76,8 +76,8 @@ class Pipeline:
         folder; `specrt.runtime.proposers.lookup`).
         compare_auto: a named drafter (or "lookup") also runs occasional probe rounds of the other
         choices, so `proposer.slower_note()` can say when the automatic choice was faster.
-        exact_plain: False trades plain decoding's exactness on int8-activation engines for ~7% speed
-        (`load_engines`); speculative output is exact either way.
+        exact_plain: False trades plain decoding's exactness on int8-activation engines for speed: one-row
+        steps on the causal graph (`load_engines`); speculative output is exact either way.
         """
         from specrt.runtime.backends.ort_backend import OrtTargetEngine, load_engines
         from specrt.runtime.backends.ort_session import SessionOptions
