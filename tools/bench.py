@@ -379,7 +379,7 @@ def measure_speed(plains, drafted, prompts, args, compare, threads):
         runners[kind] = (lambda pipe: lambda p, s: _timed(pipe, p, args.speed_tokens, s))(pipe)
     notes: dict[str, str] = {}
     if compare:
-        loaded = _loaded_target_for_peers(plain)
+        loaded = loaded_target_for_peers(plain)
         context = max(map(len, prompts)) + args.speed_tokens + 16
         for peer in make_peers(compare, loaded, threads, context, lambda m: print(m, file=sys.stderr)):
             notes[peer.name] = peer.note
@@ -420,7 +420,7 @@ def compare_table(args: argparse.Namespace, plain, compare: list[str], threads: 
     rows = bench_table.specrt_rows(folders, args.device, args.threads,
                                    options_for=lambda folder: resolve_draft_options(args, folder))
     context = max(len(p) for prompts in sets.values() for p in prompts) + args.speed_tokens + 16
-    peers = make_peers(compare, _loaded_target_for_peers(plain), threads, context, bench_table.log)
+    peers = make_peers(compare, loaded_target_for_peers(plain), threads, context, bench_table.log)
     rows += bench_table.peer_rows(peers)
     report = bench_table.run_table(rows, sets, args.speed_tokens, speed_sampling(args), bench_table.log)
     report["threads"] = threads
@@ -460,7 +460,7 @@ def _timed(pipe, prompt, max_new, sampling):
     return result.stats[0].new_tokens, time.perf_counter() - start
 
 
-def _loaded_target_for_peers(plain):
+def loaded_target_for_peers(plain):
     """The target as a torch checkpoint (peers need its GGUF path and, for genai, its weights)."""
     from specrt.export.checkpoints import load_target
 

@@ -6,6 +6,8 @@ sets, in one interleaved run; median tokens/s and the ratio to a reference.
 
 Rows (W: a folder's weights, fp32 / int4 / w8a8 / gguf):
   specrt W plain               `--drafter none`, the first folder of each W
+  specrt W plain, one-row steps `--drafter none --fast-plain`, where it differs (int8-activation weights:
+                               one-row steps like the peers', whose text may round away from plain's)
   specrt W copies alone        `--drafter lookup`, the first folder of each W
   specrt W auto                `--drafter auto` (the default), every folder: its drafter, if any, is one arm
   specrt W K + copies          `--drafter K` named, every folder with a drafter K
@@ -112,7 +114,12 @@ def specrt_rows(folders: Sequence[str | Path], device: str = "cpu", threads: int
 
         if weights not in seen_weights:
             seen_weights.add(weights)
-            rows.append(_specrt_row(plain_label, pipe("none"), None, Path(folder).name))
+            plain = pipe("none")
+            rows.append(_specrt_row(plain_label, plain, None, Path(folder).name))
+            if getattr(plain.model, "attention_row_decode", False):  # `--fast-plain`: the peers' kind of step
+                fast = Pipeline.from_engines(folder, device, threads, drafter="none", verify_checksums=False,
+                                             exact_plain=False)
+                rows.append(_specrt_row(f"specrt {weights} plain, one-row steps", fast, plain_label, Path(folder).name))
             rows.append(_specrt_row(f"specrt {weights} copies alone", pipe("lookup"), plain_label, Path(folder).name))
         kind = data.get("drafter", {}).get("kind") if data.get("drafter") else None
         auto = f"specrt {weights} auto" + (f" ({kind})" if kind else "")
