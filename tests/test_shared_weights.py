@@ -125,7 +125,7 @@ def eagle_folder(tmp_path_factory):
 def test_the_manifest_lists_the_shared_file_once_with_its_checksum(eagle_folder):
     manifest = json.loads((eagle_folder / "manifest.json").read_text())
     graphs = manifest["graphs"]
-    assert set(graphs) == {"target", "target_ort", "eagle3_fc", "eagle3_step"}
+    assert set(graphs) == {"target", "target_ort", "target_ort_causal", "eagle3_fc", "eagle3_step"}
     assert all(g["data"] == WEIGHTS_FILE for g in graphs.values())
     assert not list(eagle_folder.glob("*.onnx.data"))
     assert manifest["files"][WEIGHTS_FILE]["bytes"] == (eagle_folder / WEIGHTS_FILE).stat().st_size
@@ -133,6 +133,8 @@ def test_the_manifest_lists_the_shared_file_once_with_its_checksum(eagle_folder)
     step = _external_ranges(eagle_folder / "eagle3_step.onnx")
     fused = _external_ranges(eagle_folder / "target_ort.onnx")
     assert fused["embed_tokens.weight"] in set(step.values())
+    # the causal twin adds no weights: every tensor it reads is one of target_ort's bytes
+    assert set(_external_ranges(eagle_folder / "target_ort_causal.onnx").values()) <= set(fused.values())
 
 
 def test_a_corrupted_shared_weights_file_is_refused_by_name(eagle_folder, tmp_path):
