@@ -44,8 +44,9 @@ a prompt, a plain decoding step, a chain of new tokens right after the committed
 logits, taps and K/V equal `target_ort`'s bitwise (its attention sums the same visible slots; a zero
 bias adds nothing), and it skips what they cost: the bias and position inputs and the 2 x layers
 attention-row kernels are ~10% of a one-token int4 call (interleaved raw ORT calls at 300 tokens of
-context: `target_ort` 1.12x, this graph 1.02x the time of onnxruntime-genai's own int4 graph). The
-runtime loads it in place of `target_ort` for plain decoding in one-row calls (`load_engines`).
+context: `target_ort` 1.06-1.14x, this graph 0.96-1.02x the time of onnxruntime-genai's own int4
+graph). The runtime loads it in place of `target_ort` for plain decoding in one-row calls
+(`load_engines`).
 Contract: `target_ort`'s without position_ids and attention_bias.
 
 Limits, from GroupQueryAttention's CPU kernel: batch must be 1 whenever seq > 1 with a past, and
