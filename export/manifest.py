@@ -25,7 +25,8 @@ Layout (format "specrt.engine", format_version 1):
                    that all graphs share, each tensor stored once: specrt.export.shared_weights),
                    description, custom_ops,
                    inputs [{name, dtype, shape}], outputs [{name, dtype, shape}], runtime ("any", or
-                   "onnxruntime" for target_ort and target_ort_causal, which use ORT contrib ops: specrt.export.ort_fused)}}
+                   "onnxruntime" for target_ort and target_ort_causal, which use ORT contrib ops:
+                   specrt.export.ort_fused)}}
                    shapes mix ints and dimension names (batch, seq, rows, past, capacity, block, ...)
     custom_ops    [{domain, name, version, graphs}]: each a model-local function in those graphs
     tokenizer     {file: tokenizer.json, config: tokenizer_config.json}

@@ -322,7 +322,8 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: b
     known = {v.name for v in inputs + outputs}
     value_info = [helper.make_tensor_value_info(name, elem, shape) for name, shape in g.value_info.items()
                   if name not in known]
-    graph = helper.make_graph(g.nodes, CAUSAL_GRAPH_NAME if causal else GRAPH_NAME, inputs, outputs, initializer=g.initializers,
+    graph = helper.make_graph(g.nodes, CAUSAL_GRAPH_NAME if causal else GRAPH_NAME, inputs, outputs,
+                              initializer=g.initializers,
                               value_info=value_info)
     model_proto = helper.make_model(graph, producer_name="specrt",
                                     opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(MS_DOMAIN, 1)])

@@ -3,7 +3,8 @@
     python -m specrt.tools.bench_graph_step --engines engines/a,engines/b --tokens 1,2,4,8,16 --context 300
 
 For each folder: the portable graph (`target`) and, when the folder has it, the ORT-fused graph
-plain decoding loads (`target_ort`, or its causal twin `target_ort_causal` for one-row steps), both called through the runtime's `OrtTargetModel` (IO binding and mask building
+plain decoding loads (`target_ort`, or its causal twin `target_ort_causal` for one-row steps), both
+called through the runtime's `OrtTargetModel` (IO binding and mask building
 included), interleaved over repeats so machine noise hits every configuration alike. This is the
 cost curve the drafters' verify sizes are chosen against: on a CPU a verify step of T tokens costs
 more than a decode step as soon as the weights stop dominating (int4: early).

@@ -25,14 +25,15 @@ import torch
 from specrt.plugins.errors import SpecrtError
 from specrt.export.draft_options import from_manifest
 from specrt.export.manifest import EngineManifest, load_manifest
+from specrt.export.ort_fused import CAUSAL_GRAPH_NAME, GRAPH_NAME
 from specrt.runtime.backends.ort_decode import BoundTargetCall, attention_rows
 from specrt.runtime.backends.ort_models import (OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel, read_draft_vocab,
                                                 spec_takes_attention_rows)
 from specrt.runtime.backends.ort_session import LazyGraph, OrtGraph, SessionOptions
 from specrt.runtime.backends.torch_backend import TorchTargetEngine
 
-FUSED_GRAPH = "target_ort"  # specrt.export.ort_fused
-CAUSAL_GRAPH = "target_ort_causal"  # its causal twin, for plain decoding in one-row calls
+# the fused target graph and its causal twin, for plain decoding in one-row calls (specrt.export.ort_fused)
+FUSED_GRAPH, CAUSAL_GRAPH = GRAPH_NAME, CAUSAL_GRAPH_NAME
 _CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 

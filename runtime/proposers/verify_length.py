@@ -254,7 +254,8 @@ class IdleRounds:
         self.accepted = self._mean(self.accepted, float(drafts))
         self.rounds += 1
         if self.rounds >= MIN_SIZED and self.accepted * self.plain_seconds < self.seconds + (self.extra or 0.0):
-            self.left, self.gap = self.gap, min(2 * self.gap, MAX_IDLE if self.key in (None, "greedy") else MAX_IDLE_SAMPLED)
+            cap = MAX_IDLE if self.key in (None, "greedy") else MAX_IDLE_SAMPLED
+            self.left, self.gap = self.gap, min(2 * self.gap, cap)
         else:
             self.gap = FIRST_IDLE
 
