@@ -87,12 +87,12 @@ def test_two_graphs_store_each_shared_tensor_once_and_compute_the_same(separate,
     # one weights file, read by both graphs by a path relative to them; their own files are gone
     assert sorted(p.name for p in folder.iterdir()) == ["target.onnx", "target_ort.onnx", WEIGHTS_FILE]
     assert all(g.data_path == folder / WEIGHTS_FILE and external_files(g.path) == {WEIGHTS_FILE} for g in graphs)
-    # the fused graph's packed q|k|v (as float or int4 blocks, with their scales) is the portable
-    # graph's own tensors side by side: stored as those parts, rebuilt by a Concat
+    # the fused graph's packed q|k|v and gate|up (as float or int4 blocks, with their scales) are the
+    # portable graph's own tensors side by side: stored as those parts, rebuilt by a Concat
     nodes = onnx.load(str(graphs[1].path), load_external_data=False).graph.node
     packs = {n.output[0] for n in nodes if n.op_type == "Concat" and n.name.endswith(".pack")}
     marked = [n for n in nodes if any(p.key == PARTS_KEY for p in n.metadata_props)]
-    assert len(marked) == CFG.num_layers and all(n.input[1] in packs for n in marked)
+    assert len(marked) == 2 * CFG.num_layers and all(n.input[1] in packs for n in marked)
     assert len(packs) == summary.packed_as_parts  # int4: scales too, where their parts are over 1 KiB
     # every byte string is in the file once: no two ranges hold equal bytes, and nothing else is there
     data = (folder / WEIGHTS_FILE).read_bytes()
