@@ -107,7 +107,7 @@ def generate(
         proposer.reset(batch, engine.capacity)
         begin = getattr(proposer, "begin_request", None)
         if begin is not None:  # what the proposer learned on earlier requests sampled alike
-            begin(sampling)
+            begin(sampling, seeded_sampling)
     stats = [RequestStats(prompt_tokens=len(p)) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * batch

@@ -31,7 +31,8 @@ The proposer contract is `specrt.runtime.proposers.base.Proposer` (propose / obs
 `Proposal` type); optional hooks a proposer may have: `observe_copies` / `observe_drafter` /
 `propose_copies` (a grafted lookup, fed apart), `observe_step_time` (measured forward and acceptance seconds per
 batch and verify length), `block_size` (a block drafter: it drafts every row in one forward), and
-`begin_request(sampling)` (called by `generate` after `reset`: the request's sampling settings).
+`begin_request(sampling, seeded_sampling)` (called by `generate` after `reset`: the request's sampling
+settings and what its seed drives).
 """
 
 from __future__ import annotations

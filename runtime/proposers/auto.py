@@ -31,17 +31,22 @@ A named drafter (`pinned`): the user's choice runs every round except probes of 
 (after `pinned_first_probe` rounds, then doubling up to `pinned_max_probe`, i.e. 1 round in 32 once
 settled; a plain or copies probe costs about one plain round). The probes measure what the
 automatic choice would have delivered, and `slower_note()` says so when the named drafter was
-slower on the request. Without the probes there would be nothing to compare with.
+slower on the request. Without the probes there would be nothing to compare with. One exception
+keeps a named drafter from ever being the slow choice: while plain rounds measure more tokens per
+second than the drafter's (text or sampling settings where its drafts rarely land, e.g. temperature
+1), the rounds run plain (`dormant`), verifying the copies that pay by their own rule, and the
+probes keep running the drafter, which takes over again as soon as it measures faster.
 
 Lossless. Every arm's drafts are verified by the target exactly as when that arm runs alone. Which
 arm runs depends only on the counts of committed tokens and on measured times, never on the target's
 output for tokens not yet verified, so greedy output is the target's whatever is chosen and sampled
 output keeps the target's distribution. A seeded request under the default seeded rule (Gumbel-max
 noise keyed by seed and token index, `specrt.runtime.seeded`) drafts greedily and its text does not
-depend on the drafts, so the clock may choose for it too. A seeded request whose seed drives
-rejection sampling's coins (`seeded_sampling="stream"`) runs one arm for the whole request (the
-drafter where there is one, else the copies; a named arm without probes): choices that follow the
-clock would consume its random stream differently from one run to the next.
+depend on the drafts, so the clock chooses for it too (`begin_request` hands over the rule). A seeded
+request whose seed drives rejection sampling's coins (`seeded_sampling="stream"`, and any seeded
+request whose rule was not handed over) runs one arm for the whole request (the drafter where there
+is one, else the copies; a named arm without probes): choices that follow the clock would consume
+its random stream differently from one run to the next.
 
 Drafter state. The drafter's cache mirrors the target's, so it must see every committed token. While
 other arms run (or the drafter arm verifies the copies alone), committed tokens and their taps wait in
@@ -137,21 +142,26 @@ class AutoProposer:
         self.clock = clock
         self.rates = {arm: ArmRate() for arm in self.arms}
         self.leader: str | None = None
+        self.seeded_sampling = "stream"
         self._new_request(0)
 
     # ---------------------------------------------------------------- the Proposer interface
     def reset(self, batch_size: int, capacity: int) -> None:
+        self.seeded_sampling = "stream"  # until `begin_request` says otherwise: no clock for a seed
         self.copies.reset(batch_size, capacity)
         if self.drafter is not None:  # WithLookup's reset: its drafter, sizing and idle rule too
             self.drafter.reset(batch_size, capacity)
             self.backlog.drop()
         self._new_request(batch_size)
 
-    def begin_request(self, sampling: SamplingParams) -> None:
+    def begin_request(self, sampling: SamplingParams, seeded_sampling: str = "noise") -> None:
+        """The request's sampling settings (the arms' idle rules carry what requests sampled alike
+        learned) and what its seed drives (`specrt.runtime.generate`): "noise" lets the clock choose."""
+        self.seeded_sampling = seeded_sampling
         for arm in (self.copies, self.drafter):
             begin = getattr(arm, "begin_request", None)
             if begin is not None:
-                begin(sampling)
+                begin(sampling, seeded_sampling)
 
     def _new_request(self, batch_size: int) -> None:
         self.batch_size = batch_size
@@ -258,11 +268,20 @@ class AutoProposer:
         self.round_tokens = 0
         self.open = None
 
+    @property
+    def dormant(self) -> bool:
+        """A named drafter measured slower than plain rounds: rounds run plain (module docstring)."""
+        if self.pinned != DRAFTER:
+            return False
+        mine, plain = self.rates[DRAFTER], self.rates[PLAIN]
+        return mine.count > 0 and plain.count > 0 and plain.rate > mine.rate
+
     def _best(self) -> str:
         return max(self.arms, key=lambda a: self.rates[a].rate)
 
     def _choose(self, sampling: SamplingParams) -> str:
-        if self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None:
+        if (self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None
+                and self.seeded_sampling != "noise"):
             if self.pinned is not None:
                 return self.pinned
             return DRAFTER if self.drafter is not None else COPIES
@@ -271,10 +290,10 @@ class AutoProposer:
                 if self.rates[arm].count < self.warmup:
                     return arm
             best = self._best()
-            if best != self.leader:  # a new leader (a probe overtook it): look at the others again soon
-                self.leader, self.probe_every, self.since_probe = best, self.first_probe, 0
         else:
-            best = self.pinned
+            best = PLAIN if self.dormant else self.pinned
+        if best != self.leader:  # a new leader (a probe overtook it): look at the others again soon
+            self.leader, self.probe_every, self.since_probe = best, self.first_probe, 0
         self.since_probe += 1
         if self.since_probe < self.probe_every:
             return best

@@ -318,8 +318,9 @@ class LookupProposer:
         self.lookup.reset(batch_size)
         self.idle.forget()
 
-    def begin_request(self, sampling: SamplingParams) -> None:
-        self.idle.begin(sampling)  # what earlier requests sampled alike taught the idle rule
+    def begin_request(self, sampling: SamplingParams, seeded_sampling: str = "noise") -> None:
+        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed drives)
+        self.idle.begin(sampling)
 
     def reset_row(self, row: int) -> None:
         self.lookup.reset_row(row)
@@ -433,8 +434,9 @@ class WithLookup:
         self.idle.forget()
         self.backlog.drop()
 
-    def begin_request(self, sampling: SamplingParams) -> None:
-        self.idle.begin(sampling)  # what earlier requests sampled alike taught the idle rule
+    def begin_request(self, sampling: SamplingParams, seeded_sampling: str = "noise") -> None:
+        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed drives)
+        self.idle.begin(sampling)
 
     def reset_row(self, row: int) -> None:
         from specrt.runtime.serving.rows import reset_proposer_row
