@@ -369,7 +369,32 @@ def test_bound_call_logits_are_bitwise_the_general_paths(engine_folders, int4_fo
     assert engines[0]._bound is not None and engines[1]._bound is None
     for lean, general in zip(*steps):
         assert torch.equal(lean, general)
-    assert len({t.data_ptr() for t in steps[0]}) == len(steps[0])  # fresh logits every call
+    assert len({t.data_ptr() for t in steps[0]}) == len(steps[0])  # kept logits are never written over
+
+
+def test_bound_call_reuses_logits_only_once_nothing_holds_them(int4_folder):
+    """A released logits tensor is written again by the next call; one held (itself, a view of a row,
+    or a numpy array of it) keeps its values and the call takes a fresh one."""
+    from specrt.runtime.engine import causal_mask
+
+    pipe = Pipeline.from_engines(int4_folder, threads=1, drafter="none")
+    engine = pipe._engine_factory(64, 1, 0)
+    engine.reset(1)
+    prompt = LEAN_PROMPTS[0]
+    engine.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], causal_mask(1, len(prompt)))
+    engine.commit(0, range(len(prompt)))
+    logits, _ = engine.decode_one(5)
+    address = logits.data_ptr()
+    del logits
+    logits, _ = engine.decode_one(9)
+    assert logits.data_ptr() == address  # released: reused
+    for hold in (lambda t: t, lambda t: t[0, 0], lambda t: t.numpy()):
+        kept = hold(logits)
+        want = torch.as_tensor(kept).clone()
+        logits, _ = engine.decode_one(23)
+        assert logits.data_ptr() != torch.as_tensor(kept).data_ptr()
+        assert torch.equal(torch.as_tensor(kept), want)
+        del kept
 
 
 def test_speculative_steps_on_the_bound_call_match_plain(int4_folder, monkeypatch):
