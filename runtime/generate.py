@@ -127,7 +127,9 @@ def generate(
                 break
         outputs[b].extend(taken)
         stats[b].new_tokens += len(taken)
-        if not done[b] and int(engine.lengths[b]) + 1 >= engine.capacity:
+        # the cache holds the prompt and every emitted token but the last, the anchor (read here in
+        # Python, not from engine.lengths: a torch op per token costs plain decoding ~1%)
+        if not done[b] and len(prompts[b]) + len(outputs[b]) >= engine.capacity:
             done[b], stats[b].finish_reason = True, "cache_full"
         if on_tokens and taken:
             on_tokens(b, taken)

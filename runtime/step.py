@@ -12,7 +12,9 @@ A step advances a set of request rows of one target engine by one target forward
   verify  one forward over [anchor, drafts...] of every engine row (padded to the longest;
           rows not in the step get a one-token dummy that is never committed); a lone row's plain
           step takes the engine's `decode_one` where it has one (the ORT engine's bound call:
-          no id, position or mask tensors, the token committed in place)
+          no id, position or mask tensors, the token committed in place; a greedy row gets the
+          argmax alone, taken in numpy: right after a call the interpreter's working set is out of
+          the caches, and every torch op on the way to the next call costs tens of microseconds)
   accept  per row, by its `TokenRule`:
             greedy   temperature 0: the longest path equal to the target's argmax (`verify`)
             seeded   temperature > 0 and a seed: the same on log p + Gumbel noise keyed by
@@ -230,9 +232,15 @@ class DecodeStep:
         # a lone row with nothing to verify (plain decoding, a proposer's plain round): the engine's
         # one-token call, committed by the engine (nothing else to build)
         decode_one = getattr(engine, "decode_one", None) if forward is None and len(rows) == 1 else None
-        lean = decode_one(rows[0].anchor) if decode_one is not None and not len(proposals[rows[0].row]) else None
+        lean = None
+        greedy_token = None  # a greedy lean step's argmax, taken by the engine: no logits in torch
+        if decode_one is not None and (drafted is None or not len(proposals[rows[0].row])):
+            greedy = rows[0].rule.sampling.greedy
+            lean = decode_one(rows[0].anchor, greedy)
         if lean is not None:
             logits, taps = lean
+            if greedy:
+                greedy_token, logits = logits, None
             shape = (1, 1)
         else:
             anchors = [0] * len(proposals)
@@ -251,7 +259,10 @@ class DecodeStep:
         for r in rows:
             p = proposals[r.row]
             t_accept = time.perf_counter()
-            path, bonus = r.rule.accept(p, logits[r.row], r.generated)
+            if greedy_token is not None:
+                path, bonus = [], greedy_token
+            else:
+                path, bonus = r.rule.accept(p, logits[r.row], r.generated)
             accepting += time.perf_counter() - t_accept
             keep = kv_keep_indices(path)
             if lean is None:
@@ -259,7 +270,7 @@ class DecodeStep:
             accepted = [int(p.tokens[i]) for i in path]
             r.stats.rounds += 1
             r.stats.record_acceptance(p.depth, len(path))
-            report.verified += len(p)
+            report.verified += 0 if drafted is None else len(p)  # plain: no torch op on the lean path
             report.accepted += len(path)
             report.emitted += len(path) + 1
             previous = r.anchor

@@ -303,6 +303,8 @@ def test_bound_call_gives_the_general_paths_tokens(engine_folders, int4_folder, 
             assert got == want
             # one session run per token (the prompt's gives the first), none through the general path
             assert graph.run_calls - runs == len(got) and not calls
+            call = pipe.engine_for(1)._bound  # greedy steps asked for the argmax alone, sampled ones the logits
+            assert (call.bound_logits == (call.argmax_logits.ctypes.data, 1)) == (sampling is None)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int4"])
@@ -333,8 +335,8 @@ def test_plain_rounds_of_auto_keep_the_taps(engine_folders, monkeypatch):
     taken = []
     original = OrtTargetEngine.decode_one
 
-    def counted(self, token):
-        out = original(self, token)
+    def counted(self, token, argmax=False):
+        out = original(self, token, argmax)
         taken.append(out is not None and out[1] is not None)
         return out
 

@@ -47,6 +47,8 @@ class OrtTargetEngine(TorchTargetEngine):
 
     lean_decode = True
     _bound: BoundTargetCall | None = None
+    _lengths_of: torch.Tensor | None = None  # the `lengths` tensor _lengths_np views
+    _lengths_np: np.ndarray | None = None
 
     def forward(self, input_ids, position_ids, new_mask, logit_rows=None):
         # the bound call runs no torch op that records autograd; the general path is inference_mode
@@ -58,20 +60,29 @@ class OrtTargetEngine(TorchTargetEngine):
                     return out
         return super().forward(input_ids, position_ids, new_mask, logit_rows)
 
-    def decode_one(self, token: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def decode_one(self, token: int, argmax: bool = False) -> tuple[torch.Tensor | int, torch.Tensor | None] | None:
         """A plain step of the lone row, committed: `token` at the row's committed length through the
         bound call, with no mask, id or position tensors built (plain decoding runs this every token).
         (logits [1, 1, V], taps [1, 1, W] | None), the same as `forward` + `commit(0, [0])`, or None
-        where `forward` must take the step (a batch, the general path, the cache end)."""
+        where `forward` must take the step (a batch, the general path, the cache end). argmax: the
+        logits' argmax (an int) in place of the logits, all in numpy (`BoundTargetCall.decode`)."""
         if not self.lean_decode or self.batch_size != 1:
             return None
         call = self._bound_call()
-        length = int(self.lengths[0])
+        lengths = self._lengths_array()
+        length = int(lengths[0])
         if call is None or length + call.rows > call.slots:
             return None
-        out = call.decode(token, length, length)
-        self.lengths[0] = length + 1
+        out = call.decode(token, length, length, argmax)
+        lengths[0] = length + 1
         return out
+
+    def _lengths_array(self) -> np.ndarray:
+        """`lengths` as numpy, sharing its memory: numpy's item access is a fraction of torch's, which
+        counts here, right after a call has pushed the interpreter's code and data out of the caches."""
+        if self._lengths_of is not self.lengths:  # reset() replaced the tensor
+            self._lengths_of, self._lengths_np = self.lengths, self.lengths.numpy()
+        return self._lengths_np
 
     def _bound_call(self) -> BoundTargetCall | None:
         """The bound call of the current cache and taps, where the fused graph takes this engine's calls."""

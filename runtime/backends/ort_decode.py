@@ -98,6 +98,8 @@ class BoundTargetCall:
                 binding.bind_output(f"present_{kind}_{i}", "cpu", 0, cache_type, cache_shape, pointer)
         self.taps_width = len(model.tap_layers) * int(c.hidden_size)
         self.logits: torch.Tensor | None = None  # the last call's, reused while nobody else holds it
+        self.bound_logits: tuple[int, int] | None = None  # (address, rows) the logits output is bound to
+        self.argmax_logits = np.empty((1, 1, self.vocab), dtype=np.float32)  # decode(argmax=True)'s, never handed out
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
                 logit_rows: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -119,8 +121,12 @@ class BoundTargetCall:
             return None
         return self.verify(input_ids, position_ids, new_mask, logit_rows, length)
 
-    def decode(self, token: int, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token at `position`, written to slot `length` (attention rows: and a copy to the next)."""
+    def decode(self, token: int, position: int, length: int,
+               argmax: bool = False) -> tuple[torch.Tensor | int, torch.Tensor | None]:
+        """One token at `position`, written to slot `length` (attention rows: and a copy to the next).
+        argmax: hand back the logits' argmax (numpy's: the first of equal maxima, as `row_argmax`)
+        instead of the logits, for a greedy step: they go to a buffer of this object's own, and the call
+        runs no torch op at all (module docstring)."""
         total = length + self.rows
         self.ids[0, 0] = token
         self.seqlens[0] = total - 1
@@ -141,6 +147,8 @@ class BoundTargetCall:
                 binding.bind_input("position_ids", "cpu", 0, np.int64, [1, self.rows], self.positions.ctypes.data)
             binding.bind_input("logit_rows", "cpu", 0, np.int64, [1, 1], self.logit_rows.ctypes.data)
             self.decode_bound = True
+        if argmax:
+            return self._run_argmax()
         return self._run(1, 1)
 
     def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, new_mask: torch.Tensor,
@@ -167,17 +175,36 @@ class BoundTargetCall:
         return self._run(int(rows.shape[1]), t)
 
     def _run(self, logit_rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        binding = self.binding
         logits = self._logits_tensor(logit_rows)
-        binding.bind_output("logits", "cpu", 0, np.float32, [1, logit_rows, self.vocab], logits.data_ptr())
-        taps = None
-        if self.taps:  # fresh too: a proposer may keep them past the next call (lazy ingest)
-            taps = torch.empty((1, tokens, self.taps_width), dtype=self.model.dtype)
-            binding.bind_output("taps", "cpu", 0, _NUMPY[self.model.dtype], [1, tokens, self.taps_width],
-                                taps.data_ptr())
-        self.graph.run_bound(binding)
-        self.model.fused_calls += 1
+        self._bind_logits(logits.data_ptr(), logit_rows)
+        taps = self._run_with_taps(tokens)
         return logits, taps
+
+    def _run_argmax(self) -> tuple[int, torch.Tensor | None]:
+        buffer = self.argmax_logits
+        self._bind_logits(buffer.ctypes.data, 1)
+        taps = self._run_with_taps(1)
+        return int(buffer.argmax()), taps
+
+    def _bind_logits(self, address: int, rows: int) -> None:
+        """Point the logits output at [1, rows, V] floats at `address`, unless it already is: a binding
+        keeps its outputs from call to call. (An address, not the tensor: holding the tensor here would
+        count as a holder and stop its reuse.)"""
+        if self.bound_logits != (address, rows):
+            self.binding.bind_output("logits", "cpu", 0, np.float32, [1, rows, self.vocab], address)
+            self.bound_logits = (address, rows)
+
+    def _run_with_taps(self, tokens: int) -> torch.Tensor | None:
+        """Run the bound call; its taps in a fresh tensor (a proposer may keep them past the next call:
+        lazy ingest), or None."""
+        taps = None
+        if self.taps:
+            taps = torch.empty((1, tokens, self.taps_width), dtype=self.model.dtype)
+            self.binding.bind_output("taps", "cpu", 0, _NUMPY[self.model.dtype], [1, tokens, self.taps_width],
+                                     taps.data_ptr())
+        self.graph.run_bound(self.binding)
+        self.model.fused_calls += 1
+        return taps
 
     def _logits_tensor(self, rows: int) -> torch.Tensor:
         """[1, rows, V] for this call: the last call's tensor where its shape fits and nothing else
