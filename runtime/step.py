@@ -237,10 +237,10 @@ class DecodeStep:
         if decode_one is not None and (drafted is None or not len(proposals[rows[0].row])):
             greedy = rows[0].rule.sampling.greedy
             lean = decode_one(rows[0].anchor, greedy)
+            if lean is not None and greedy:  # the engine handed back the argmax in place of the logits
+                greedy_token, lean = lean[0], (None, lean[1])
         if lean is not None:
             logits, taps = lean
-            if greedy:
-                greedy_token, logits = logits, None
             shape = (1, 1)
         else:
             anchors = [0] * len(proposals)
