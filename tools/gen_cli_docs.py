@@ -99,6 +99,16 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _help_text(action: argparse.Action, prog: str) -> str:
+    """The help as --help prints it: argparse %-formats it with the action's fields (%(default)s, and
+    %% for a literal percent sign)."""
+    params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
+    params.update(prog=prog, default=_portable(action.default))
+    if params.get("choices") is not None:
+        params["choices"] = ", ".join(map(str, params["choices"]))
+    return (action.help or "") % params
+
+
 def _flag(action: argparse.Action) -> str:
     if not action.option_strings:
         return f"`{action.dest}`"
@@ -143,7 +153,7 @@ def _render_parser(parser: argparse.ArgumentParser, level: str) -> list[str]:
         title = group.title if group.title not in ("options", "optional arguments") else "options"
         lines += [f"{level} {title}", "", "| argument | default | what it does |", "|---|---|---|"]
         for a in actions:
-            lines.append(f"| {_flag(a)} | {_default(a)} | {_cell(a.help or '')} |")
+            lines.append(f"| {_flag(a)} | {_default(a)} | {_cell(_help_text(a, parser.prog))} |")
         lines.append("")
     return lines
 
