@@ -324,16 +324,13 @@ def export_engine(
             from specrt.export import ort_fused as fused
 
             reason = fused.supports(model)
-            # target_ort, its causal twin for one-row plain decoding, and where int8 activations make
-            # one-row attention round unlike a verify step, the twin with attention rows for exact plain
-            variants = [(False, 1), (True, 1)] + ([(True, 2)] if quant is not None and quant.int8_activations else [])
-            for causal, min_rows in variants:
-                name = fused.graph_name(causal, min_rows)
+            for causal in (False, True):  # target_ort and its causal twin for plain decoding
+                name = fused.CAUSAL_GRAPH_NAME if causal else fused.GRAPH_NAME
                 with stages.stage(f"graph {name} (ONNX Runtime contrib ops)") as info:
                     if reason:
                         info["note"] = f"skipped: {reason}"
                         break
-                    graph = fused.export_fused_target(model, tmp, torch_dtype, external_data, causal, min_rows)
+                    graph = fused.export_fused_target(model, tmp, torch_dtype, external_data, causal)
                     size = graph.path.stat().st_size + (graph.data_path.stat().st_size if graph.data_path else 0)
                     info["note"] = f"{size / 2**20:.1f} MB"
                     exported.append(graph)

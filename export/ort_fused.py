@@ -49,18 +49,6 @@ graph). The runtime loads it in place of `target_ort` for plain decoding in one-
 (`load_engines`).
 Contract: `target_ort`'s without position_ids and attention_bias.
 
-The causal twin with attention rows (graph `target_ort_rows`, `build_graph(causal=True, min_rows=2)`,
-exported for int8-activation weights only): exact plain decoding's graph. Attention always runs at least
-two rows, so a one-token call takes attention's multi-row path as `target_ort`'s attention rows do: the
-token's packed q|k|v twice, the copy at the next slot (position total - 1, K/V into the spare slot,
-which the next call overwrites). Under causal masking the token's row sees the committed slots and its
-own, never the copy's, exactly the slots `target_ort`'s bias leaves it, and a zero bias adds nothing,
-so its logits and K/V equal `target_ort`'s attention-row call bitwise, without the bias and position
-inputs that cost ~2.5% of an int4 step (interleaved raw ORT calls, 256 steps from a 60-token prompt:
-`target_ort` 1.075x, this graph 1.047x, `target_ort_causal` 1.00x the time of onnxruntime-genai's
-graph). Calls of seq >= 2 run seq rows: the causal twin's. A one-token call must leave room for the
-copy (total = committed + 2); the runtime sends one at the cache end elsewhere.
-
 Limits, from GroupQueryAttention's CPU kernel: batch must be 1 whenever seq > 1 with a past, and
 new tokens always occupy the slots right after the committed ones (true of the target engine:
 `TorchTargetEngine` writes at length + t). The runtime therefore uses this graph for single-stream
@@ -86,7 +74,6 @@ from specrt.export.shared_weights import PARTS_KEY
 
 GRAPH_NAME = "target_ort"
 CAUSAL_GRAPH_NAME = "target_ort_causal"  # the causal twin (module docstring)
-ROWS_GRAPH_NAME = "target_ort_rows"  # the causal twin with attention rows: exact plain decoding (docstring)
 # the symbolic dim of position_ids / attention_bias: attention's rows (module docstring); folders
 # exported before it was added name it "seq" and cannot take a one-token call with attention rows
 ATTENTION_ROWS_DIM = "attn_seq"
@@ -193,25 +180,18 @@ def rotary_tables(model: LlamaModel, positions: int) -> tuple[np.ndarray, np.nda
     return freqs.cos().numpy().astype(np.float32), freqs.sin().numpy().astype(np.float32)
 
 
-def _attention_rows(g: _Builder, min_rows: int | None = None) -> tuple[str, str]:
+def _attention_rows(g: _Builder) -> tuple[str, str]:
     """(row index [attn_seq] = min(0..attn_seq-1, seq-1), seq as a 1-D tensor): the Gather that gives
-    attention its attn_seq rows and the Slice bound that takes the seq real ones back (docstring).
-    attn_seq is position_ids' second dim, or with min_rows (the causal graph) max(seq, min_rows)."""
+    attention its attn_seq rows and the Slice bound that takes the seq real ones back (docstring)."""
     g.const("attention_rows.zero", np.array([0], dtype=np.int64))
     g.const("attention_rows.one", np.array([1], dtype=np.int64))
     g.const("attention_rows.zero_scalar", np.array(0, dtype=np.int64))
     g.const("attention_rows.one_scalar", np.array(1, dtype=np.int64))
     (ids_shape,) = g.node("Shape", ["input_ids"], ["attention_rows.ids_shape"], "attention_rows.ids_shape")
     (seq,) = g.node("Gather", [ids_shape, "attention_rows.one"], ["attention_rows.seq"], "attention_rows.seq", axis=0)
-    if min_rows is None:
-        (pos_shape,) = g.node("Shape", ["position_ids"], ["attention_rows.pos_shape"], "attention_rows.pos_shape")
-        (rows,) = g.node("Gather", [pos_shape, "attention_rows.one_scalar"], ["attention_rows.count"],
-                         "attention_rows.count", axis=0)
-    else:
-        g.const("attention_rows.min", np.array(min_rows, dtype=np.int64))
-        (seq_scalar,) = g.node("Gather", [ids_shape, "attention_rows.one_scalar"], ["attention_rows.seq_scalar"],
-                               "attention_rows.seq_scalar", axis=0)
-        (rows,) = g.node("Max", [seq_scalar, "attention_rows.min"], ["attention_rows.count"], "attention_rows.count")
+    (pos_shape,) = g.node("Shape", ["position_ids"], ["attention_rows.pos_shape"], "attention_rows.pos_shape")
+    (rows,) = g.node("Gather", [pos_shape, "attention_rows.one_scalar"], ["attention_rows.count"],
+                     "attention_rows.count", axis=0)
     (every,) = g.node("Range", ["attention_rows.zero_scalar", rows, "attention_rows.one_scalar"],
                       ["attention_rows.range"], "attention_rows.range")
     (last,) = g.node("Sub", [seq, "attention_rows.one"], ["attention_rows.last"], "attention_rows.last")
@@ -219,10 +199,9 @@ def _attention_rows(g: _Builder, min_rows: int | None = None) -> tuple[str, str]
     return index, seq
 
 
-def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: bool = False, min_rows: int = 1):
+def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: bool = False):
     """The onnx.ModelProto of the fused target (weights in memory; `export_fused_target` saves it);
-    causal: its causal twin, without position_ids and attention_bias, and with min_rows 2 attention
-    rows for one-token calls (`target_ort_rows`), else none (docstring)."""
+    causal: its causal twin, without position_ids, attention_bias and attention rows (docstring)."""
     from onnx import TensorProto, helper
 
     reason = supports(model)
@@ -242,8 +221,7 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: b
     embed = g.weight("embed_tokens.weight", model.embed_tokens.weight)
     (x,) = g.node("Gather", [embed, "input_ids"], ["embedded"], "embed")
 
-    with_rows = not causal or min_rows > 1
-    attn_index, seq_1d = _attention_rows(g, min_rows if causal else None) if with_rows else (None, None)
+    attn_index, seq_1d = (None, None) if causal else _attention_rows(g)
     taps: dict[int, str] = {0: x}
     residual = x
     pending = None  # the previous layer's MLP output, not yet added to the residual
@@ -264,10 +242,9 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: b
         qkv = g.fused_linear(h, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj")
         attention_inputs = [qkv, "", "", f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
                             "rotary.cos_cache", "rotary.sin_cache"]
-        if with_rows:
+        if not causal:
             (qkv_rows,) = g.node("Gather", [qkv, attn_index], [f"{p}.qkv_rows"], f"{p}.attention_rows", axis=1)
             attention_inputs[0] = qkv_rows
-        if not causal:
             attention_inputs += ["position_ids", "attention_bias"]
         (a_rows, _, _) = g.node(
             "GroupQueryAttention", attention_inputs,
@@ -276,7 +253,7 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: b
             do_rotary=1, rotary_interleaved=0,
         )
         a = a_rows
-        if with_rows:
+        if not causal:
             (a,) = g.node("Slice", [a_rows, "attention_rows.zero", seq_1d, "attention_rows.one"], [f"{p}.attn"],
                           f"{p}.attention_rows_out")
         o = g.linear(a, attn.o_proj, f"{p}.o_proj")
@@ -347,20 +324,13 @@ def build_graph(model: LlamaModel, dtype: torch.dtype = torch.float32, causal: b
     known = {v.name for v in inputs + outputs}
     value_info = [helper.make_tensor_value_info(name, elem, shape) for name, shape in g.value_info.items()
                   if name not in known]
-    graph = helper.make_graph(g.nodes, graph_name(causal, min_rows), inputs, outputs,
+    graph = helper.make_graph(g.nodes, CAUSAL_GRAPH_NAME if causal else GRAPH_NAME, inputs, outputs,
                               initializer=g.initializers,
                               value_info=value_info)
     model_proto = helper.make_model(graph, producer_name="specrt",
                                     opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(MS_DOMAIN, 1)])
     model_proto.ir_version = 10
     return model_proto
-
-
-def graph_name(causal: bool, min_rows: int = 1) -> str:
-    """The file stem and manifest name of a fused-graph variant (module docstring)."""
-    if not causal:
-        return GRAPH_NAME
-    return ROWS_GRAPH_NAME if min_rows > 1 else CAUSAL_GRAPH_NAME
 
 
 def _io(values) -> list[dict]:
@@ -387,12 +357,12 @@ def validate(path: Path) -> None:
 
 
 def export_fused_target(model: LlamaModel, folder: Path, dtype: torch.dtype = torch.float32,
-                        external_data: str = "auto", causal: bool = False, min_rows: int = 1) -> ExportedGraph:
-    """Write folder/target_ort.onnx (causal: target_ort_causal.onnx, with min_rows 2 target_ort_rows.onnx)
-    (+ .data) and return its manifest entry (`runtime`: onnxruntime)."""
+                        external_data: str = "auto", causal: bool = False) -> ExportedGraph:
+    """Write folder/target_ort.onnx (causal: target_ort_causal.onnx) (+ .data) and return its manifest
+    entry (`runtime`: onnxruntime)."""
     start = time.perf_counter()
-    name = graph_name(causal, min_rows)
-    proto = build_graph(model, dtype, causal, min_rows)
+    name = CAUSAL_GRAPH_NAME if causal else GRAPH_NAME
+    proto = build_graph(model, dtype, causal)
     weight_bytes = sum(int(np.prod(t.dims)) * (4 if t.data_type == 1 else 2) for t in proto.graph.initializer)
     use_external = external_data == "always" or (external_data == "auto" and weight_bytes > EXTERNAL_DATA_THRESHOLD)
     path = Path(folder) / f"{name}.onnx"
@@ -401,8 +371,6 @@ def export_fused_target(model: LlamaModel, folder: Path, dtype: torch.dtype = to
     del proto
     validate(path)
     what = "causal calls only: prompts, plain steps, chains; " if causal else ""
-    if min_rows > 1:
-        what += f"attention over at least {min_rows} rows; "
     return ExportedGraph(name, f"target forward on ONNX Runtime contrib ops (single stream; {what}see "
                          "specrt.export.ort_fused)", path, data_path, time.perf_counter() - start, [],
                          inputs, outputs, runtime="onnxruntime")

@@ -56,12 +56,6 @@ class QuantOptions:
             raise SpecrtError(f"accuracy level {self.accuracy_level} is outside 0..4", "use 4 (int8 compute) or 0")
 
     @property
-    def int8_activations(self) -> bool:
-        """Activations are quantized to int8 per token in the graph (MatMulNBits at accuracy level 4,
-        w8a8): that rounding amplifies attention's one-row/multi-row differences (docs/exactness.md)."""
-        return self.weights == "w8a8" or self.accuracy_level == 4
-
-    @property
     def bits(self) -> int | str:
         return {"int4": 4, "int8": 8, "w8a8": 8}.get(self.weights, "gguf")
 

@@ -464,34 +464,6 @@ def test_the_causal_twin_gives_target_orts_logits_bitwise(engine_folders, int4_f
     assert torch.equal(engines[0].k_cache, engines[1].k_cache) and torch.equal(engines[0].v_cache, engines[1].v_cache)
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_the_rows_twin_gives_target_orts_attention_row_logits_bitwise(int4_folder, lean):
-    """Exact plain decoding's graph (`target_ort_rows`: causal, two attention rows for one token) against
-    `target_ort` with attention rows: a prompt, one-token steps and a chain give the same logits and
-    committed cache, bitwise; a one-token call with no spare slot left goes to the portable graph."""
-    engines = []
-    for name in ("target_ort", "target_ort_rows"):
-        model = fused_model_of(int4_folder, name)
-        model.attention_row_decode = True
-        engine = OrtTargetEngine(model, 64)
-        engine.lean_decode = lean
-        engine.reset(1)
-        engines.append(engine)
-    rows = engines[1].model
-    assert rows.causal_only and rows.causal_rows and rows.takes_attention_rows and rows.exact_decode
-    for tokens in ([5, 9, 23, 7, 11], [40], [2], [18, 33, 61], [4], [17]):
-        general, twin = (causal_run(engine, tokens) for engine in engines)
-        assert torch.equal(twin, general)
-    length = int(engines[0].lengths[0])
-    assert length == int(engines[1].lengths[0]) == 12
-    for a, b in ((engines[0].k_cache, engines[1].k_cache), (engines[0].v_cache, engines[1].v_cache)):
-        assert torch.equal(a[..., :length, :], b[..., :length, :])  # the spare slot holds each graph's copy
-    slots = int(engines[1].k_cache.shape[-2])  # a token in the last slot: no room for the copy
-    with pytest.raises(AssertionError, match="portable"):  # so not this graph's call
-        rows(torch.tensor([[3]]), torch.tensor([[slots - 1]]), torch.ones(1, 1, slots, dtype=torch.bool),
-             engines[1].k_cache, engines[1].v_cache, torch.tensor([[slots - 1]]))
-
-
 def test_plain_one_row_decoding_loads_the_causal_twin(engine_folders, int4_folder, tmp_path):
     import json
     import shutil
@@ -502,9 +474,7 @@ def test_plain_one_row_decoding_loads_the_causal_twin(engine_folders, int4_folde
     fp32 = engine_folders / "with"
     assert graph_of(fp32, drafter="none") == "target_ort_causal"  # fp32 plain steps are one-row calls
     assert graph_of(int4_folder, drafter="none", exact_plain=False) == "target_ort_causal"
-    # attention rows (speculation's rounding) on the twin that takes them; only int8 activations need it
-    assert graph_of(int4_folder, drafter="none") == "target_ort_rows"
-    assert "target_ort_rows" not in load_manifest(fp32).graphs
+    assert graph_of(int4_folder, drafter="none") == "target_ort"  # attention rows: speculation's rounding
     for drafter in ("auto", "lookup", "eagle3"):  # verify steps of drafts
         assert graph_of(fp32, drafter=drafter) == "target_ort"
     # a folder exported before the twin keeps target_ort
@@ -514,12 +484,6 @@ def test_plain_one_row_decoding_loads_the_causal_twin(engine_folders, int4_folde
     del manifest["graphs"]["target_ort_causal"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert graph_of(old, drafter="none") == "target_ort"
-    old_int4 = tmp_path / "old_int4"  # and one exported before the rows twin, its attention-row calls
-    shutil.copytree(int4_folder, old_int4)
-    manifest = json.loads((old_int4 / "manifest.json").read_text())
-    del manifest["graphs"]["target_ort_rows"]
-    (old_int4 / "manifest.json").write_text(json.dumps(manifest))
-    assert graph_of(old_int4, drafter="none") == "target_ort"
 
 
 def test_calls_the_causal_twin_cannot_express_take_the_portable_graph(engine_folders):

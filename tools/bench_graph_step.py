@@ -18,7 +18,7 @@ the host work around it (the loop, masks, bindings, argmax), prefill excluded, f
 bound call (`specrt.runtime.backends.ort_decode`) and its general path, interleaved. Host work is
 given twice: wall time outside the graph call, and the CPU time the loop's thread spends outside
 it (the steadier number on a busy machine: other processes do not inflate it). On int4/int8/w8a8
-folders plain decoding is timed both ways: exact (attention rows on `target_ort_rows`, the speculative
+folders plain decoding is timed both ways: exact (attention rows on `target_ort`, the speculative
 decoder's text) and in one-row steps (`--fast-plain`: the causal graph `target_ort_causal`).
 
     python -m specrt.tools.bench_graph_step --engines engines/int4-none --decode 256 --prompts 8 --genai

@@ -25,7 +25,7 @@ import torch
 from specrt.plugins.errors import SpecrtError
 from specrt.export.draft_options import from_manifest
 from specrt.export.manifest import EngineManifest, load_manifest
-from specrt.export.ort_fused import CAUSAL_GRAPH_NAME, GRAPH_NAME, ROWS_GRAPH_NAME
+from specrt.export.ort_fused import CAUSAL_GRAPH_NAME, GRAPH_NAME
 from specrt.runtime.backends.ort_decode import BoundTargetCall, attention_rows
 from specrt.runtime.backends.ort_models import (OrtBlockDrafter, OrtEagle3Drafter, OrtTargetModel, read_draft_vocab,
                                                 spec_takes_attention_rows)
@@ -34,8 +34,6 @@ from specrt.runtime.backends.torch_backend import TorchTargetEngine
 
 # the fused target graph and its causal twin, for plain decoding in one-row calls (specrt.export.ort_fused)
 FUSED_GRAPH, CAUSAL_GRAPH = GRAPH_NAME, CAUSAL_GRAPH_NAME
-# the causal twin with attention rows, for exact plain decoding on int8-activation engines
-ROWS_GRAPH = ROWS_GRAPH_NAME
 _CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -234,9 +232,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
     exact_plain: without a proposer, int8-activation engines decode with attention rows, so plain text
     is the speculative decoder's; False keeps one-row calls (the fastest plain decoding, `--fast-plain`).
     Plain decoding in one-row calls (fp32 engines, or exact_plain False) runs on the folder's causal
-    graph (`target_ort_causal`) in place of `target_ort`: the same logits, ~10% less per step. Exact
-    plain decoding with attention rows runs on `target_ort_rows` where the folder has it: `target_ort`'s
-    logits without its bias and position inputs (`specrt.export.ort_fused`)."""
+    graph (`target_ort_causal`) in place of `target_ort`: the same logits, ~10% less per step."""
     from specrt.export.tokenizer import chat_tokenizer_from_folder
 
     options = options or SessionOptions()
@@ -285,12 +281,7 @@ def load_engines(folder: str | Path, options: SessionOptions | None = None, with
         # plain decoding in one-row calls makes causal calls only: the causal twin serves them at ~10%
         # less per token (specrt.export.ort_fused), with the same logits bitwise
         one_row_plain = not speculating and not two_row_decode and not attention_row_decode
-        name = FUSED_GRAPH
-        if one_row_plain and CAUSAL_GRAPH in graphs:
-            name = CAUSAL_GRAPH
-        elif attention_row_decode and ROWS_GRAPH in graphs:  # exact plain: the same logits, no bias input
-            name = ROWS_GRAPH
-        fused = graph(name, target_options)
+        fused = graph(CAUSAL_GRAPH if one_row_plain and CAUSAL_GRAPH in graphs else FUSED_GRAPH, target_options)
     portable = (LazyGraph(manifest.graph_path("target"), graphs["target"], target_options) if fused
                 else graph("target", target_options))
     target = OrtTargetModel(portable, target_cfg, data["target"].get("tap_layers", []), cache_dtype, fused)

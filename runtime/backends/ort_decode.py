@@ -30,9 +30,8 @@ the spare slot the second row writes (`with_attention_row`). Two-row decoding's 
 (`with_copy_row`) needs only that too, since the linear layers' rows do not depend on each other.
 At the cache end, where the general path has no spare slot for that row, it takes the call.
 
-On the causal twins (`OrtTargetModel.causal_only`: no attention_bias or position_ids inputs) nothing
-but ids and the two scalars is bound (on `target_ort_rows` a one-token call's total counts the copy's
-spare slot, as attention rows do), and a call it cannot express (a tree, a position other than
+On the causal twin (`OrtTargetModel.causal_only`: no attention_bias or position_ids inputs) nothing
+but ids and the two scalars is bound, and a call it cannot express (a tree, a position other than
 its slot) goes to the general path, which sends it to the portable graph.
 """
 

@@ -25,7 +25,6 @@ import torch
 
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
-from specrt.export.ort_fused import ROWS_GRAPH_NAME
 from specrt.runtime.backends.ort_session import OrtGraph
 
 
@@ -114,11 +113,6 @@ class OrtTargetModel:
         # other calls take the portable graph
         self.causal_only = fused is not None and not any(i["name"] == "attention_bias"
                                                          for i in fused.spec.get("inputs", []))
-        # the causal twin with attention rows (`target_ort_rows`): every call runs >= 2 attention rows, so
-        # a one-token call needs a spare slot after the token (total = length + 2)
-        self.causal_rows = self.causal_only and Path(getattr(fused, "path", "")).stem == ROWS_GRAPH_NAME
-        if self.causal_rows:
-            self.takes_attention_rows = True
         self.config = config
         self.exported_taps = tuple(int(i) for i in tap_layers)
         self.tap_layers = self.exported_taps
@@ -181,8 +175,7 @@ class OrtTargetModel:
             input_ids, position_ids, attn_mask, write_slots = with_copy_row(input_ids, position_ids, attn_mask,
                                                                             write_slots)
         if self.fused is not None and self._fits_fused(attn_mask, write_slots) and (
-                not self.causal_only or self._fits_causal(position_ids, attn_mask)) and (
-                not self.causal_rows or t > 1):  # its one-token calls need the spare slot (above)
+                not self.causal_only or self._fits_causal(position_ids, attn_mask)):
             logits, taps = self._call_fused(input_ids, position_ids, attn_mask, k_cache, v_cache, logit_rows)
         else:
             logits, taps = self._call_portable(input_ids, position_ids, attn_mask, k_cache, v_cache, write_slots,
