@@ -36,6 +36,10 @@ layers, whose rows are independent (MatMulNBits at accuracy level 4 and the w8a8
 give bitwise equal rows for one row or several), keep their one-row cost. Measured on the int4
 SmolLM2 engine, 10 MT-bench prompts x 128 tokens: one-row decoding 131 tok/s (text equal to the
 speculative decoder's on 2/10), attention rows 127 tok/s (10/10), two full rows 110 tok/s (10/10).
+What the second row costs is GroupQueryAttention's second row and the Gather and Slice per layer,
+not the bias and position inputs: a causal graph with the same attention rows and no bias or
+positions gives these logits bitwise, and measured no faster end to end (paired 0.99x, 12 prompts x
+256 tokens x 2, interleaved), so there is no such graph.
 
 The causal twin (graph `target_ort_causal`, `build_graph(causal=True)`): the same layers without
 position_ids, attention_bias or attention rows. GroupQueryAttention then masks causally and takes each
