@@ -75,12 +75,15 @@ def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
     Cached (read-only: callers add to it, never write into it): a verify step draws the noise of
     every index it checks, and the indices past the first rejection are checked again next step."""
     u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(_stream_key(seed, index)))
-    return -torch.log(-torch.log(u))  # u == 0 gives -inf: that token is never the argmax
+    # -log(-log u) in place: the same kernels, so the same values, without three fresh [V] tensors
+    # (u == 0 gives -inf: that token is never the argmax)
+    return u.log_().neg_().log_().neg_()
 
 
 def scaled_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits / T, float32, -inf where top-k / top-p keep no mass: what the noise is added to."""
-    scores = logits.float() / params.temperature
+    # x / 1.0 is x exactly: at temperature 1 the division is a copy of the vocabulary for nothing
+    scores = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
     if params.top_k or params.top_p < 1.0:
         scores = scores.masked_fill(probabilities(logits, params) == 0, float("-inf"))
     return scores

@@ -24,6 +24,20 @@ NEW = 24
 PARAMS = SamplingParams(temperature=1.0, seed=7)
 
 
+def test_the_seeded_rule_is_gumbel_noise_of_the_index_stream_over_scaled_logits():
+    """What text a seed gives: G = -log(-log u) of torch's uniform stream keyed by (seed, index), added to
+    logits / T (at T = 1 the logits as they are). Pinned here so a faster computation keeps the values."""
+    torch.manual_seed(0)
+    for seed, index, vocab in ((0, 0, 50), (7, 13, 300), (123456, 999, 49152)):
+        u = torch.rand(vocab, generator=torch.Generator().manual_seed(seeded._stream_key(seed, index)))
+        assert torch.equal(seeded.gumbel_noise(seed, index, vocab), -torch.log(-torch.log(u)))
+        logits = torch.randn(1, vocab) * 4
+        for temperature in (1.0, 0.7):
+            params = SamplingParams(temperature=temperature, seed=seed)
+            want = logits / temperature - torch.log(-torch.log(u))
+            assert torch.equal(seeded.perturbed_scores(logits, params, [index]), want)
+
+
 def test_draft_noise_scores_pick_the_token_plain_decoding_picks():
     """Depth d of a row whose first draft is generated index i is checked at index i + d - 1; a
     reduced vocabulary sees the same scores at its ids."""
