@@ -22,6 +22,7 @@ from specrt.runtime.proposers.lookup import (
     WithLookup,
     graft_chain,
     graft_tree,
+    record_key,
 )
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import generate_speculative
@@ -115,6 +116,27 @@ def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
             node = parents[node]
         out.add(tuple(reversed(path)))
     return out
+
+
+def test_sampled_requests_continue_the_copy_record_of_requests_sampled_alike():
+    """What a request sampled at temperature 1 learns about copies carries to the next one sampled
+    alike; greedy requests, other settings and seeds that drive rejection sampling start afresh."""
+    proposer = LookupProposer()
+
+    def record_of(sampling, seeded_sampling="noise"):
+        proposer.reset(1, 64)
+        proposer.begin_request(sampling, seeded_sampling)
+        return proposer.lookup.record
+
+    first = record_of(SamplingParams(1.0, seed=3))
+    first.record(4, [5, 6], [5, 7])  # one hit, one miss
+    again = record_of(SamplingParams(1.0, seed=9))
+    assert again is first and again.trials[4] == [1, 1] and again.hits[4] == [1, 0]
+    assert record_of(SamplingParams(1.0)) is first  # unseeded: nothing a seed drives
+    for fresh in (record_of(SamplingParams()), record_of(SamplingParams(0.7, seed=3)),
+                  record_of(SamplingParams(1.0, seed=3), "stream")):
+        assert fresh is not first and not fresh.trials
+    assert record_key(SamplingParams(0.7, top_k=20, seed=1)) == (0.7, 20, 1.0)
 
 
 def test_graft_tree_reuses_the_drafters_nodes_and_adds_the_rest_as_a_branch():

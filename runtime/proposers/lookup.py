@@ -167,6 +167,23 @@ class HitRecord:
             hits[i] += 1
 
 
+def record_key(sampling: SamplingParams, seeded_sampling: str = "noise") -> object:
+    """Which requests share a copy record (`NgramLookup.begin`): sampled ones with the same temperature,
+    top-k and top-p, or None (a fresh record per request).
+
+    Why. The calibrated prior (lookup.json) is greedy text's: a copy inside a loop is right ~19 times in
+    20 there, while text sampled at temperature 1 takes it ~1 time in 7 (int4 SmolLM2, MT-bench), and a
+    request of a few hundred tokens spreads too few trials over the match lengths to leave the prior.
+    So a sampled request starts from what the last one sampled alike learned. Greedy requests keep a
+    fresh record on the prior, and so do seeded requests whose seed drives rejection sampling's coins
+    ("stream"): what they draft must not depend on earlier requests, or a seed would consume its
+    stream differently from run to run. Under the default seeded rule a seed's text depends on the
+    seed alone, whatever is drafted."""
+    if sampling.greedy or (sampling.seed is not None and seeded_sampling != "noise"):
+        return None
+    return (sampling.temperature, sampling.top_k, sampling.top_p)
+
+
 @dataclass
 class LookupChain:
     tokens: list[int]
@@ -189,18 +206,27 @@ class NgramLookup:
         # the step computes a second row anyway (int8-activation engines decode one token as two rows):
         # a one-token copy costs nothing there, whatever its estimate
         self.free_first = bool(free_first)
+        # per sampling settings of sampled requests, the record they left (`begin`)
+        self.learned: dict[object, HitRecord] = {}
         self.reset(0)
 
     def reset(self, batch_size: int) -> None:
         # a fresh record per generate call: what is drafted must not depend on earlier calls, or the
-        # same seed would consume its random stream differently and give other text. (A serving
-        # batcher resets once and frees rows one by one, so there the record spans requests.)
+        # same seed would consume its random stream differently and give other text; `begin` hands a
+        # sampled request whose text no stream of drafts changes the record of requests sampled alike.
+        # (A serving batcher resets once and frees rows one by one, so there the record spans requests.)
         self.record = HitRecord(prior=self.prior)
         self.index = [NgramIndex(self.max_match) for _ in range(batch_size)]
         self.lengths = [0] * batch_size  # committed tokens per row (the anchor is indexed, not counted)
         # per row, every candidate copy of the last step (own text, store, whole, with their survivals),
         # scored once the target answers
         self.candidates: list[list[LookupChain]] = [[] for _ in range(batch_size)]
+
+    def begin(self, key: object) -> None:
+        """The request about to run (after `reset`): with a key (`record_key`), continue the record the
+        last request with the same key left instead of the fresh one."""
+        if key is not None:
+            self.record = self.learned.setdefault(key, self.record)
 
     def reset_row(self, row: int) -> None:
         self.index[row] = NgramIndex(self.max_match)
@@ -319,8 +345,10 @@ class LookupProposer:
         self.idle.forget()
 
     def begin_request(self, sampling: SamplingParams, seeded_sampling: str = "noise") -> None:
-        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed drives)
+        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed
+        # drives) and, where drafts may depend on earlier requests, the copy record (`record_key`)
         self.idle.begin(sampling)
+        self.lookup.begin(record_key(sampling, seeded_sampling))
 
     def reset_row(self, row: int) -> None:
         self.lookup.reset_row(row)
@@ -435,8 +463,10 @@ class WithLookup:
         self.backlog.drop()
 
     def begin_request(self, sampling: SamplingParams, seeded_sampling: str = "noise") -> None:
-        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed drives)
+        # what earlier requests sampled alike taught the idle rule (copies do not depend on what a seed
+        # drives) and, where drafts may depend on earlier requests, the copy record (`record_key`)
         self.idle.begin(sampling)
+        self.lookup.begin(record_key(sampling, seeded_sampling))
 
     def reset_row(self, row: int) -> None:
         from specrt.runtime.serving.rows import reset_proposer_row
