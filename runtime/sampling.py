@@ -38,6 +38,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def distribution(self) -> object:
+        """What a request samples from, its seed aside ("greedy", or temperature, top-k and top-p):
+        requests alike draft alike and share what the proposers learn about their drafts."""
+        return "greedy" if self.greedy else (self.temperature, self.top_k, self.top_p)
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         gen = torch.Generator(device=device)
         if self.seed is None:

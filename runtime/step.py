@@ -309,7 +309,7 @@ class DecodeStep:
         groups: dict[object, list[StepRow]] = {}  # rows by draft settings (the seed does not change drafts)
         for r in rows:
             s = r.rule.draft_sampling
-            groups.setdefault("greedy" if s.greedy else (s.temperature, s.top_k, s.top_p), []).append(r)
+            groups.setdefault(s.distribution, []).append(r)
         # a block drafter writes scratch K/V for every row it is not asked about (at position 0):
         # with several groups, each call drafts all the step's rows and keeps its own group's
         all_rows = len(groups) > 1 and hasattr(proposer, "block_size")

@@ -101,7 +101,8 @@ def _cell(text: str) -> str:
 
 def _help_text(action: argparse.Action, prog: str) -> str:
     """The help as --help prints it: argparse %-formats it with the action's fields (%(default)s, and
-    %% for a literal percent sign)."""
+    %% for a literal percent sign). Not argparse's private `HelpFormatter._expand_help`: a default
+    path inside the package is written portably here (`_portable`), as in the default column."""
     params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
     params.update(prog=prog, default=_portable(action.default))
     if params.get("choices") is not None:

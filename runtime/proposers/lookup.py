@@ -181,7 +181,7 @@ def record_key(sampling: SamplingParams, seeded_sampling: str = "noise") -> obje
     seed alone, whatever is drafted."""
     if sampling.greedy or (sampling.seed is not None and seeded_sampling != "noise"):
         return None
-    return (sampling.temperature, sampling.top_k, sampling.top_p)
+    return sampling.distribution
 
 
 @dataclass

@@ -269,7 +269,7 @@ class IdleRounds:
     def begin(self, sampling) -> None:
         """The request about to run samples with `sampling`: pick up what the last request with the
         same settings learned (its first round is sized all the same)."""
-        self.key = "greedy" if sampling.greedy else (sampling.temperature, sampling.top_k, sampling.top_p)
+        self.key = sampling.distribution
         state = self.learned.get(self.key)
         if state is not None:
             for name, value in zip(self._LEARNED, state):
