@@ -165,6 +165,33 @@ def test_where_the_time_goes_is_the_median_per_round_of_each_requests_stats():
     assert bench_table.cost_split([_fake_stats(0, 0.0, 0.0, 0.0, 0)])["draft_ms_per_round"] is None
 
 
+def test_rows_are_compared_with_plain_decoding_prompt_by_prompt():
+    """Against plain: the median of per-prompt tok/s ratios to the plain row on the same weights (not the
+    ratio of medians), their range, and the prompts at least as fast; rows without a plain row have none."""
+    from specrt.tools import bench_table
+    from specrt.tools.bench_table import Row, RowRun
+
+    # per prompt (warm-up first): plain's seconds and the drafter's; 10 new tokens each
+    seconds = {"plain": iter([1.0, 1.0, 0.1, 1.0]), "drafted": iter([1.0, 0.5, 0.2, 1.25])}
+
+    def row(name):
+        def run(prompt, max_new, sampling):
+            return RowRun(list(prompt), 10, next(seconds[name]))
+        return run
+
+    rows = [Row("specrt int4 plain", row("plain")), Row("specrt int4 auto", row("drafted"), plain="specrt int4 plain"),
+            Row("llama.cpp", lambda p, m, s: RowRun(None, 10, 1.0), peer=True)]
+    report = bench_table.run_table(rows, {"mtbench": [[1], [2], [3]]}, 10)
+    # tok/s plain 10, 100, 10 and drafted 20, 50, 8: ratios 2.0, 0.5, 0.8 (medians of the rates: 20 / 10)
+    found = bench_table.against_plain(report, "specrt int4 auto", "mtbench")
+    assert found == {"median": 0.8, "low": 0.5, "high": 2.0, "at_least": 1, "of": 3}
+    assert bench_table.against_plain(report, "specrt int4 plain", "mtbench") is None
+    assert bench_table.against_plain(report, "llama.cpp", "mtbench") is None
+    md = bench_table.render(report)
+    assert "| specrt int4 auto | 0.80x | 0.50-2.00 | 1/3 |" in md and "| specrt int4 plain | " not in md.split(
+        "prompt by prompt")[1]
+
+
 def test_a_sampled_table_seeds_specrt_per_prompt_and_lets_the_peers_sample_at_that_temperature():
     """At temperature 1, prompt n of the run (sets in order) reaches every specrt row as seeded sampling
     with seed + n, and every peer as temperature 1 with that number for its own generator; the

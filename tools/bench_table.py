@@ -241,6 +241,8 @@ def run_table(rows: Sequence[Row], prompt_sets: dict[str, list[list[int]]], max_
                     "sets": {name: {"prompts": len(p)} for name, p in prompt_sets.items()}, "rows": {}}
     for row in rows:
         entry: dict = {"peer": row.peer, "detail": row.detail, "sets": {}}
+        if row.plain is not None:
+            entry["plain"] = row.plain  # the plain row on the same weights (`against_plain`)
         for name in prompt_sets:
             tally = tallies[name][row.label]
             ref = statistics.median(tallies[name][reference].rates)
@@ -308,7 +310,46 @@ def render(report: dict) -> str:
         temperature = report["sampling"]["temperature"]
         notes.append(f"- the peers sample at temperature {temperature:g} with their own random generators: their "
                      "texts are their own samples, not compared with specrt's")
-    return "\n".join(lines + ([""] + notes if notes else []) + render_costs(report)) + "\n"
+    return "\n".join(lines + ([""] + notes if notes else []) + render_against_plain(report) + render_costs(report)) + "\n"
+
+
+def against_plain(report: dict, label: str, name: str) -> dict | None:
+    """Row `label` against plain decoding on the same weights, prompt by prompt on set `name`: the
+    median of its per-prompt tok/s ratios, their range, and on how many prompts it was at least as
+    fast. Paired ratios cancel what makes one prompt faster than another (its length, where it
+    stops), which the ratio of medians keeps; None for rows without a plain row."""
+    plain = report["rows"][label].get("plain")
+    if plain is None or plain not in report["rows"]:
+        return None
+    mine = report["rows"][label]["sets"][name]["tok_s_per_prompt"]
+    base = report["rows"][plain]["sets"][name]["tok_s_per_prompt"]
+    ratios = [a / b for a, b in zip(mine, base) if b > 0]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "at_least": sum(r >= 1.0 for r in ratios), "of": len(ratios)}
+
+
+def render_against_plain(report: dict) -> list[str]:
+    """The table of `against_plain` for every specrt row that has a plain row."""
+    sets = list(report["sets"])
+    lines = ["", "### against plain decoding, prompt by prompt", "",
+             "Each row's tok/s on a prompt divided by plain decoding's on the same prompt (same weights, same "
+             "run): the median of those ratios, their range, and the prompts on which the row was at least as "
+             "fast as plain decoding.", "",
+             "| configuration |" + "".join(f" {SET_TITLES.get(s, s)}: median | range | at least plain |" for s in sets),
+             "|---|" + "---|---|---|" * len(sets)]
+    rows = 0
+    for label in report["rows"]:
+        found = [against_plain(report, label, s) for s in sets]
+        if not any(found):
+            continue
+        rows += 1
+        cells = "".join(" - | - | - |" if f is None else
+                        f" {f['median']:.2f}x | {f['low']:.2f}-{f['high']:.2f} | {f['at_least']}/{f['of']} |"
+                        for f in found)
+        lines.append(f"| {label} |{cells}")
+    return lines if rows else []
 
 
 def render_costs(report: dict) -> list[str]:
