@@ -310,7 +310,8 @@ def render(report: dict) -> str:
         temperature = report["sampling"]["temperature"]
         notes.append(f"- the peers sample at temperature {temperature:g} with their own random generators: their "
                      "texts are their own samples, not compared with specrt's")
-    return "\n".join(lines + ([""] + notes if notes else []) + render_against_plain(report) + render_costs(report)) + "\n"
+    sections = render_against_plain(report) + render_costs(report)
+    return "\n".join(lines + ([""] + notes if notes else []) + sections) + "\n"
 
 
 def against_plain(report: dict, label: str, name: str) -> dict | None:
