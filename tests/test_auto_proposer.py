@@ -387,3 +387,49 @@ def test_a_named_drafter_under_auto_carries_its_idle_rule_to_the_next_request(ta
     assert drafter.idle.rounds == 0
     auto.begin_request(SamplingParams(temperature=1.0, seed=4))
     assert drafter.idle.rounds == learned and auto.copies.idle.key == drafter.idle.key
+
+
+def test_the_prompt_waits_for_the_drafters_first_round(target):
+    """The drafter ingests a request's prompt only when it first drafts: a request that never runs it
+    leaves it all held (nothing ingested), and the next one's drafter drafts from its own prompt alone,
+    giving plain decoding's text."""
+    drafter = WithLookup(eagle3(target), max_tokens=5)
+    auto = AutoProposer(LookupProposer(), drafter, pinned=PLAIN, pinned_first_probe=10**6)  # no probes
+    generate_speculative(TorchTargetEngine(target, 256, 1), auto, [PROMPTS[0]], 24, SamplingParams())
+    assert drafter.inner.lengths[0] == 0
+    # the prompt and every token committed after it (the last round ends the request: not observed)
+    assert auto.backlog.held(0) == auto.copies.lengths[0] == len(PROMPTS[0]) + 22
+
+    auto.pinned = DRAFTER
+    counts = _counting(auto)
+    result = generate_speculative(TorchTargetEngine(target, 256, 1), auto, [PROMPTS[1]], 24, SamplingParams())
+    assert result.tokens == plain(target, [PROMPTS[1]], 24)
+    assert counts[DRAFTER] > 0
+    auto.backlog.catch_up()
+    assert drafter.inner.lengths[0] == auto.copies.lengths[0] == len(PROMPTS[1]) + 22
+
+
+def test_a_held_prompt_is_ingested_apart_from_the_rounds():
+    """A catch-up feeds a held prompt in a call of its own, then the rounds' tokens merged in one; the
+    rounds' cost (`last`) leaves the prompt's out."""
+    from specrt.runtime.proposers.backlog import DrafterBacklog
+
+    calls = []
+
+    class Recorder:
+        def observe(self, rows, tokens, taps, next_tokens):
+            calls.append((list(rows), [list(t) for t in tokens], [None if t is None else t.shape[0] for t in taps],
+                          list(next_tokens)))
+
+    backlog = DrafterBacklog(Recorder())
+    backlog.hold([0], [[5, 6, 7]], [torch.zeros(3, 4)], [8], prompt=True)
+    backlog.hold([0], [[8, 9]], [torch.zeros(2, 4)], [10])
+    backlog.hold([0], [[10]], [torch.zeros(1, 4)], [11])
+    assert backlog.held(0) == 6
+    with pytest.raises(ValueError, match="a prompt comes first"):
+        backlog.hold([0], [[1]], [None], [2], prompt=True)
+    backlog.catch_up()
+    assert calls == [([0], [[5, 6, 7]], [3], [8]), ([0], [[8, 9, 10]], [3], [11])]
+    assert backlog.last[1] == 2 and backlog.prompt_seconds > 0 and backlog.held(0) == 0
+    backlog.clear_last()
+    assert backlog.prompt_seconds == 0.0
