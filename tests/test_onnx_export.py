@@ -198,14 +198,22 @@ def test_eagle3_fc_and_step_for_tree_expansion(exported):
     ids = torch.randint(0, 64, (b, t), generator=g)
     feat = torch.randn(b, t, 32, generator=g)
     positions = lengths[:, None] - 1 + depth
+    every_row = np.broadcast_to(np.arange(t), (b, t)).copy()
     feeds = {"input_ids": ids.numpy(), "hidden": feat.numpy(), "position_ids": positions.numpy(),
-             "past_mask": past_mask_for(lengths, t).numpy(), "tree_mask": tree.numpy(), **cache_feeds(k_cache, v_cache)}
+             "past_mask": past_mask_for(lengths, t).numpy(), "tree_mask": tree.numpy(), "logit_rows": every_row,
+             **cache_feeds(k_cache, v_cache)}
     logits, out, new_k, new_v = session(step_graph.path).run(None, feeds)
     mask, slots = inplace_mask(lengths, tree)
     with torch.no_grad():
         ref_logits, ref_out = drafter(ids, feat, positions, mask, k_cache, v_cache, slots)
     assert logits.shape == (b, t, 40)
     assert np.abs(logits - ref_logits.numpy()).max() <= ATOL
+    # a context ingest asks for one row per batch row: those rows' logits, the same hidden and K/V
+    last = np.array([[t - 1], [2]])
+    few_logits, few_out, _, _ = session(step_graph.path).run(None, {**feeds, "logit_rows": last})
+    assert few_logits.shape == (b, 1, 40)
+    assert np.abs(few_logits[:, 0] - ref_logits.numpy()[[0, 1], [t - 1, 2]]).max() <= ATOL
+    assert np.abs(few_out - ref_out.numpy()).max() <= ATOL
     assert np.abs(out - ref_out.numpy()).max() <= ATOL
     assert np.abs(new_k - written_rows(k_cache, slots).numpy()).max() <= ATOL
     assert np.abs(new_v - written_rows(v_cache, slots).numpy()).max() <= ATOL

@@ -100,6 +100,28 @@ def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, ki
     assert batched.tokens == plain.tokens
 
 
+def test_eagle3_step_graphs_without_logit_rows_draft_the_same(folders):
+    """A folder whose eagle3_step computes every row's logits (exported before it took logit_rows):
+    the runtime picks the rows itself, and the drafts are the ones a new folder gives."""
+    options = torch_spec_options(torch_pipeline(folders, "eagle3"))
+    new = Pipeline.from_engines(folders["engines"]["eagle3"], drafter="eagle3", draft_options=options)
+    old = Pipeline.from_engines(folders["engines"]["eagle3"], drafter="eagle3", draft_options=options)
+    drafter = old.proposer.inner.drafter if hasattr(old.proposer, "inner") else old.proposer.drafter
+    assert drafter.takes_logit_rows
+    drafter.takes_logit_rows = False
+    run = drafter.step_graph.run
+
+    def every_row(feeds, *args, **kwargs):  # what the older graph computed
+        b, t = feeds["input_ids"].shape
+        return run({**feeds, "logit_rows": torch.arange(t).expand(b, t)}, *args, **kwargs)
+
+    drafter.step_graph.run = every_row
+    for prompt in PROMPTS:
+        a, b = new.generate_ids([prompt], 24), old.generate_ids([prompt], 24)
+        assert a.tokens == b.tokens
+        assert a.stats[0].accepted_per_position == b.stats[0].accepted_per_position
+
+
 def test_dflash_trees_on_engines_equal_plain_and_dspark_trees_ask_for_torch(folders):
     from specrt.export.draft_options import DraftOptions
 

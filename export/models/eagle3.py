@@ -204,11 +204,16 @@ class Eagle3Drafter(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         write_slots: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, rows, draft_vocab], out [B, T, H]); logit_rows [B, rows]: the rows whose logits
+        are wanted (default all T). A context ingest needs the last row's only, and the head over the
+        draft vocabulary is most of a row's cost."""
         emb = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids)
         out = self.midlayer(emb, hidden, cos, sin, k_cache[0], v_cache[0], write_slots, attn_mask)
-        logits = self.lm_head(self.norm(out)).float()
+        rows = out if logit_rows is None else torch.gather(out, 1, logit_rows[:, :, None].expand(-1, -1, out.shape[-1]))
+        logits = self.lm_head(self.norm(rows)).float()
         return logits, out
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -322,16 +322,27 @@ class OrtEagle3Drafter:
             )
         self.embed_tokens = True  # the target embedding lives inside the step graph
         self.cache_feeds = CacheFeeds()
+        # folders exported before the step graph took logit_rows compute every row's logits: the rows
+        # asked for are then picked here
+        self.takes_logit_rows = any(i["name"] == "logit_rows" for i in step.spec.get("inputs", []))
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         return self.fc_graph.run({"taps": taps.to(self.dtype)})["hidden"]
 
-    def __call__(self, input_ids, hidden, position_ids, attn_mask, k_cache, v_cache, write_slots):
+    def __call__(self, input_ids, hidden, position_ids, attn_mask, k_cache, v_cache, write_slots, logit_rows=None):
+        """Eagle3Drafter's call: (logits [B, rows, draft_vocab] of `logit_rows` (default all), hidden [B, T, H])."""
         past_mask, tree_mask = split_window_mask(attn_mask, write_slots)
-        out = self.step_graph.run({"input_ids": input_ids, "hidden": hidden.to(self.dtype), "position_ids": position_ids,
-                                   "past_mask": past_mask, "tree_mask": tree_mask, **self.cache_feeds(k_cache, v_cache)})
+        feeds = {"input_ids": input_ids, "hidden": hidden.to(self.dtype), "position_ids": position_ids,
+                 "past_mask": past_mask, "tree_mask": tree_mask, **self.cache_feeds(k_cache, v_cache)}
+        if self.takes_logit_rows:
+            b, t = input_ids.shape
+            feeds["logit_rows"] = torch.arange(t).expand(b, t) if logit_rows is None else logit_rows
+        out = self.step_graph.run(feeds)
         write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
-        return out["logits"], out["hidden_out"]
+        logits = out["logits"]
+        if logit_rows is not None and not self.takes_logit_rows:
+            logits = torch.gather(logits, 1, logit_rows[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return logits, out["hidden_out"]
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.token_ids.to(draft_ids.device)[draft_ids]

@@ -97,13 +97,14 @@ class Eagle3Proposer:
             # committed context, plus the new rows up to and including each row's own position
             mask = (slot < starts[:, None, None]) | (slot <= pos_batch[:, :, None])
             dev = self.device
+            last_rows = torch.tensor([[c - 1] for c in counts])  # the next draft reads each row's last logits only
             logits, out = self.drafter(
                 id_batch.to(dev), self.drafter.fuse(feat_batch.to(dev)), pos_batch.to(dev), mask.to(dev),
-                k_cache, v_cache, pos_batch.to(dev),
+                k_cache, v_cache, pos_batch.to(dev), last_rows.to(dev),
             )
             for j, b in enumerate(group):
                 last = counts[j] - 1
-                self.root_logits[b] = logits[j, last]
+                self.root_logits[b] = logits[j, 0]
                 self.root_hidden[b] = out[j, last]
                 self.lengths[b] += counts[j]
 
