@@ -77,7 +77,7 @@ from specrt.plugins.errors import SpecrtError
 from specrt.export.models.dflash import DFlashDrafter
 from specrt.export.models.dspark import DSparkDrafter
 from specrt.export.models.eagle3 import Eagle3Drafter
-from specrt.export.models.layers import Attention
+from specrt.export.models.layers import Attention, gather_rows
 from specrt.export.models.llama import LlamaModel
 
 DEFAULT_OPSET = 20
@@ -149,7 +149,7 @@ class TargetGraph(nn.Module):
             values.append(v)
             if i + 1 in m.tap_layers:
                 collected[i + 1] = x
-        rows = torch.gather(x, 1, logit_rows[:, :, None].expand(-1, -1, x.shape[-1]))
+        rows = gather_rows(x, logit_rows)
         logits = linear_2d(m.norm(rows), m.lm_head.weight).float()
         new_keys, new_values = torch.stack(keys), torch.stack(values)
         if not m.tap_layers:
@@ -182,7 +182,7 @@ class Eagle3StepGraph(nn.Module):
         h, k, v = attend(mid.self_attn, x, cos, sin, past_key_0, past_value_0, past_mask, tree_mask)
         h1 = (normed if mid.norm_before_residual else hidden) + h  # the speculators variant's residual
         out = h1 + mid.mlp(mid.post_attention_layernorm(h1))
-        rows = torch.gather(out, 1, logit_rows[:, :, None].expand(-1, -1, out.shape[-1]))
+        rows = gather_rows(out, logit_rows)
         logits = linear_2d(d.norm(rows), d.lm_head.weight).float()
         return logits, out, k[None], v[None]
 

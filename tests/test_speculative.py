@@ -157,6 +157,35 @@ def test_eagle3_chain_path_equals_the_tree_builder_at_top_k_1(target):
     assert len(proposer.propose([0], [3], SamplingParams(), None)[0]) == 0
 
 
+def test_eagle3_drafts_from_the_last_ingested_row(target):
+    """An ingest asks the drafter for its last row's logits only: they are the row every row's call gives
+    last, in a batch of prompts of different lengths too."""
+    from specrt.runtime.generate import prefill
+
+    proposer = eagle3(target, draft_vocab=40)
+    prompts = [PROMPTS[0], PROMPTS[1][:3]]
+    proposer.reset(2, 128)
+    engine = TorchTargetEngine(target, 128, 2)
+    engine.set_taps(proposer.tap_layers)
+    _, taps = prefill(engine, prompts)
+    proposer.observe([0, 1], prompts, [taps[b, :len(p)] for b, p in enumerate(prompts)], [3, 4])
+    for b, prompt in enumerate(prompts):
+        alone = eagle3(target, draft_vocab=40)
+        alone.reset(1, 128)
+        calls = []
+        drafter_call = alone.drafter.forward
+
+        def every_row(*args):  # the same ingest, every row's logits
+            logits, out = drafter_call(*args[:7])
+            calls.append(logits)
+            return logits, out
+
+        alone.drafter.forward = every_row
+        alone.observe([0], [prompt], [taps[b, :len(prompt)]], [3 + b])
+        assert calls[0].shape[1] == len(prompt)
+        assert torch.allclose(proposer.root_logits[b], calls[0][0, -1], atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_block_tree_candidates_are_each_positions_top_k(target, kind):
     """A block tree's children are the top-k of their depth's distribution (DSpark: given the parent's

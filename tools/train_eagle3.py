@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.eagle3 import Eagle3Config, Eagle3Drafter
+from specrt.export.models.layers import gather_rows
 from specrt.tools.train_common import full_precision
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -241,7 +242,7 @@ def ttt_forward(drafter: Eagle3Drafter, fused: torch.Tensor, tokens: torch.Tenso
     k0, v0 = attn.project_kv(x0, cos0, sin0)
     sel = (start[:, None] + torch.arange(num_rows, device=device)[None, :]).clamp(max=t - 1)  # [B, R]
     mask0 = (rows_all[None, None, :] <= sel[:, :, None]) & valid_keys[:, None, :]
-    hidden = torch.gather(fused, 1, sel[:, :, None].expand(-1, -1, fused.shape[-1]))
+    hidden = gather_rows(fused, sel)
     diag_k: list[torch.Tensor] = []
     diag_v: list[torch.Tensor] = []
     outs = []
@@ -289,7 +290,7 @@ class Eagle3Objective:
         # target distributions on the window of positions start+1 .. start+r+steps-1 (shared by all steps)
         win = (start[:, None] + 1 + torch.arange(r + self.steps - 1)[None, :]).clamp(max=n - 1)
         with torch.no_grad(), full_precision():  # the labels stay fp32 under a bf16 training forward
-            h_last = torch.gather(fb.last, 1, win[:, :, None].expand(-1, -1, fb.last.shape[-1]))
+            h_last = gather_rows(fb.last, win)
             logp_win = torch.log_softmax(self.target_norm(h_last).float() @ self.head.T, dim=-1)
             p_win = logp_win.exp()
             entropy_win = -(p_win * logp_win).sum(-1)

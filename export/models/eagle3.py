@@ -48,7 +48,7 @@ from torch import nn
 
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig, fill_attention_dims
-from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, gather_rows
 
 
 def default_eagle3_taps(num_target_layers: int) -> list[int]:
@@ -212,7 +212,7 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids)
         out = self.midlayer(emb, hidden, cos, sin, k_cache[0], v_cache[0], write_slots, attn_mask)
-        rows = out if logit_rows is None else torch.gather(out, 1, logit_rows[:, :, None].expand(-1, -1, out.shape[-1]))
+        rows = out if logit_rows is None else gather_rows(out, logit_rows)
         logits = self.lm_head(self.norm(rows)).float()
         return logits, out
 

@@ -77,6 +77,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] at rows [B, R] (indices into T) -> [B, R, H]: the rows whose logits are wanted."""
+    return torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     """cache [B, Hkv, C, D] <- new [B, Hkv, T, D] at slots [B, T], in place."""
     index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])

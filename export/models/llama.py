@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from specrt.export.models.config import LlamaConfig
-from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specrt.export.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, gather_rows
 
 
 class DecoderLayer(nn.Module):
@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
             if i + 1 in self.tap_layers:
                 collected[i + 1] = x
         if logit_rows is not None:
-            x = torch.gather(x, 1, logit_rows[:, :, None].expand(-1, -1, x.shape[-1]))
+            x = gather_rows(x, logit_rows)
         logits = self.lm_head(self.norm(x)).float()
         if not self.tap_layers:
             return logits, None

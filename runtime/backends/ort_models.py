@@ -25,6 +25,7 @@ import torch
 
 from specrt.plugins.errors import SpecrtError
 from specrt.export.models.config import LlamaConfig
+from specrt.export.models.layers import gather_rows
 from specrt.runtime.backends.ort_session import OrtGraph
 
 
@@ -341,7 +342,7 @@ class OrtEagle3Drafter:
         write_new_kv(k_cache, v_cache, out["new_keys"], out["new_values"], write_slots)
         logits = out["logits"]
         if logit_rows is not None and not self.takes_logit_rows:
-            logits = torch.gather(logits, 1, logit_rows[:, :, None].expand(-1, -1, logits.shape[-1]))
+            logits = gather_rows(logits, logit_rows)
         return logits, out["hidden_out"]
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
