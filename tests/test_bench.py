@@ -85,9 +85,11 @@ def test_the_comparison_table_on_tiny_engines(tmp_path):
     write_hf_target(tmp_path / "tiny", make_sharp_target())
     folder = tmp_path / "plain"
     assert export_main(["--drafter", "none", "--target", str(tmp_path / "tiny"), "--out", str(folder), "--quiet"]) == 0
-    rows = bench_table.specrt_rows([folder], threads=1)
+    rows = bench_table.specrt_rows([folder], threads=1, twin_plain=True)
     labels = [r.label for r in rows]
-    assert labels == ["specrt fp32 plain", "specrt fp32 copies alone", "specrt fp32 auto"]
+    assert labels == ["specrt fp32 plain", "specrt fp32 copies alone", "specrt fp32 plain, second engine",
+                      "specrt fp32 auto"]
+    assert rows[2].plain == "specrt fp32 plain"  # read against plain decoding, prompt by prompt
     sets = {"mtbench": [[5, 9, 23, 5, 9], [7, 3, 11]], "code": [[4, 8, 15, 16, 4, 8, 15]]}
     report = bench_table.run_table(rows, sets, 10)
     assert report["reference"] == "specrt fp32 plain"
@@ -105,6 +107,8 @@ def test_the_comparison_table_on_tiny_engines(tmp_path):
     assert "| specrt fp32 auto |" in md and "MT-bench tok/s (median)" in md and "code (HumanEval)" in md
     assert paths[2].stat().st_size > 0
     assert "### where the time goes" in md and "| specrt fp32 auto | code (HumanEval) |" in md
+    assert "| specrt fp32 plain, second engine |" in md.split("### against plain decoding")[1]
+    assert "noise floor" in md
 
     # temperature 1: every row samples prompt n with seed 3 + n, seeded, so each is still plain's text
     sampled = bench_table.run_table(rows, sets, 10, SamplingParams(1.0, seed=3))

@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of peers to time beside specrt: ort-genai (its int4 build), ort-genai-fp32, "
                         "llama.cpp, torch (specrt's torch backend). With --engines: the comparison table "
                         "(plain, auto, copies alone, each drafter + copies, the peers) on --compare-sets")
+    p.add_argument("--plain-twin", action="store_true",
+                   help="the --compare table times plain decoding twice, on two engines of the same folder: the second "
+                        "one's ratio to the first, prompt by prompt, is how much two identical configurations differ "
+                        "in the run (the noise floor the other ratios are read against)")
     p.add_argument("--compare-sets", default="mtbench,code",
                    help="prompt sets of the comparison table: mtbench (first turns), code (HumanEval prompts; "
                         "pip install 'specrt[bench]'); --speed-prompts of each, --speed-tokens new tokens")
@@ -418,7 +422,8 @@ def compare_table(args: argparse.Namespace, plain, compare: list[str], threads: 
     sets = compare_prompt_sets(args, plain.tokenizer)
     folders = [f for f in args.engines.split(",") if f]
     rows = bench_table.specrt_rows(folders, args.device, args.threads,
-                                   options_for=lambda folder: resolve_draft_options(args, folder))
+                                   options_for=lambda folder: resolve_draft_options(args, folder),
+                                   twin_plain=args.plain_twin)
     context = max(len(p) for prompts in sets.values() for p in prompts) + args.speed_tokens + 16
     peers = make_peers(compare, loaded_target_for_peers(plain), threads, context, bench_table.log)
     rows += bench_table.peer_rows(peers)

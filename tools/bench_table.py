@@ -8,6 +8,11 @@ Rows (W: a folder's weights, fp32 / int4 / w8a8 / gguf):
   specrt W plain               `--drafter none`, the first folder of each W
   specrt W plain, one-row steps `--drafter none --fast-plain`, where it differs (int8-activation weights:
                                one-row steps like the peers', whose text may round away from plain's)
+  specrt W plain, second engine  with `twin_plain` (`specrt bench --plain-twin`): the plain row again, on an
+                               engine of its own. Two engines of one folder in one process differ in speed
+                               by a few percent (measured up to 5% here, whichever was loaded first), so
+                               its ratio to plain decoding, prompt by prompt, is the noise floor that the
+                               other rows' ratios are read against
   specrt W copies alone        `--drafter lookup`, the first folder of each W
   specrt W auto                `--drafter auto` (the default), every folder: its drafter, if any, is one arm
   specrt W K + copies          `--drafter K` named, every folder with a drafter K
@@ -93,9 +98,10 @@ def weights_name(manifest: dict) -> str:
 
 
 def specrt_rows(folders: Sequence[str | Path], device: str = "cpu", threads: int | None = None,
-                options_for: Callable[[str | Path], object] | None = None) -> list[Row]:
+                options_for: Callable[[str | Path], object] | None = None, twin_plain: bool = False) -> list[Row]:
     """The specrt rows of the table for these engine folders (module docstring); options_for(folder): the
-    DraftOptions of a folder's pipelines (default: its record)."""
+    DraftOptions of a folder's pipelines (default: its record); twin_plain: a second plain engine per
+    weights (the noise floor, module docstring)."""
     from specrt.export.manifest import load_manifest
     from specrt.runtime.pipeline import Pipeline
 
@@ -121,6 +127,8 @@ def specrt_rows(folders: Sequence[str | Path], device: str = "cpu", threads: int
                                              exact_plain=False)
                 rows.append(_specrt_row(f"specrt {weights} plain, one-row steps", fast, plain_label, Path(folder).name))
             rows.append(_specrt_row(f"specrt {weights} copies alone", pipe("lookup"), plain_label, Path(folder).name))
+            if twin_plain:
+                rows.append(_specrt_row(f"{plain_label}, second engine", pipe("none"), plain_label, Path(folder).name))
         kind = data.get("drafter", {}).get("kind") if data.get("drafter") else None
         auto = f"specrt {weights} auto" + (f" ({kind})" if kind else "")
         rows.append(_specrt_row(_unique(auto, rows, Path(folder).name), pipe("auto"), plain_label, Path(folder).name))
@@ -337,7 +345,10 @@ def render_against_plain(report: dict) -> list[str]:
     lines = ["", "### against plain decoding, prompt by prompt", "",
              "Each row's tok/s on a prompt divided by plain decoding's on the same prompt (same weights, same "
              "run): the median of those ratios, their range, and the prompts on which the row was at least as "
-             "fast as plain decoding.", "",
+             "fast as plain decoding." + (" The second plain engine's ratios are the run's noise floor: two "
+                                         "identical configurations differ by that much."
+                                         if any(label.endswith(", second engine") for label in report["rows"])
+                                         else ""), "",
              "| configuration |" + "".join(f" {SET_TITLES.get(s, s)}: median | range | at least plain |" for s in sets),
              "|---|" + "---|---|---|" * len(sets)]
     rows = 0
