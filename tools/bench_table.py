@@ -10,7 +10,7 @@ Rows (W: a folder's weights, fp32 / int4 / w8a8 / gguf):
                                one-row steps like the peers', whose text may round away from plain's)
   specrt W plain, second engine  with `twin_plain` (`specrt bench --plain-twin`): the plain row again, on an
                                engine of its own. Two engines of one folder in one process differ in speed
-                               by a few percent (measured up to 5% here, whichever was loaded first), so
+                               by several percent (up to 8% in one headline run here, the first loaded most often the slower), so
                                its ratio to plain decoding, prompt by prompt, is the noise floor that the
                                other rows' ratios are read against
   specrt W copies alone        `--drafter lookup`, the first folder of each W
