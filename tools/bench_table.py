@@ -54,6 +54,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RequestStats
 
 REFERENCE_PEER = "ort-genai int4"
+TWIN_SUFFIX = ", second engine"  # the plain row's label + this: the noise-floor row (`twin_plain`)
 GREEDY = SamplingParams()
 
 
@@ -128,7 +129,7 @@ def specrt_rows(folders: Sequence[str | Path], device: str = "cpu", threads: int
                 rows.append(_specrt_row(f"specrt {weights} plain, one-row steps", fast, plain_label, Path(folder).name))
             rows.append(_specrt_row(f"specrt {weights} copies alone", pipe("lookup"), plain_label, Path(folder).name))
             if twin_plain:
-                rows.append(_specrt_row(f"{plain_label}, second engine", pipe("none"), plain_label, Path(folder).name))
+                rows.append(_specrt_row(plain_label + TWIN_SUFFIX, pipe("none"), plain_label, Path(folder).name))
         kind = data.get("drafter", {}).get("kind") if data.get("drafter") else None
         auto = f"specrt {weights} auto" + (f" ({kind})" if kind else "")
         rows.append(_specrt_row(_unique(auto, rows, Path(folder).name), pipe("auto"), plain_label, Path(folder).name))
@@ -347,7 +348,7 @@ def render_against_plain(report: dict) -> list[str]:
              "run): the median of those ratios, their range, and the prompts on which the row was at least as "
              "fast as plain decoding." + (" The second plain engine's ratios are the run's noise floor: two "
                                          "identical configurations differ by that much."
-                                         if any(label.endswith(", second engine") for label in report["rows"])
+                                         if any(label.endswith(TWIN_SUFFIX) for label in report["rows"])
                                          else ""), "",
              "| configuration |" + "".join(f" {SET_TITLES.get(s, s)}: median | range | at least plain |" for s in sets),
              "|---|" + "---|---|---|" * len(sets)]
