@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from specrt.plugins.errors import SpecrtError
+from specrt.runtime.backends.huge_pages import back_with_huge_pages
 
 DEVICE_PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
@@ -51,6 +52,9 @@ class SessionOptions:
     # waking a sleeping thread for each costs ~25% of a one-token int4 call on 2 idle cores. None:
     # load_engines decides per graph (`spinning_policy`)
     spinning: bool | None = None
+    # CPU: after a session loads, the process's large anonymous memory (its prepacked weights among
+    # it) moves onto 2 MiB pages, ~11% more plain-decoding tokens per second (huge_pages.py)
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_PROVIDERS:
@@ -114,6 +118,8 @@ class OrtGraph:
             raise SpecrtError(f"ONNX Runtime cannot load {self.path}: {str(err).splitlines()[0][:300]}",
                               "re-export the engine folder with this specrt (specrt export ...), "
                               "or upgrade onnxruntime") from None
+        # what the last back_with_huge_pages did, None where it was not asked (SessionOptions.huge_pages)
+        self.huge_pages = back_with_huge_pages() if options.huge_pages and options.device == "cpu" else None
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._in_shapes = {i["name"]: i["shape"] for i in spec.get("inputs", [])}
