@@ -27,7 +27,7 @@ def test_doctor_reports_default_model():
     out = subprocess.run([sys.executable, "-m", "specrt.tools", "doctor"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "SmolLM2-135M-Instruct" in out.stdout.replace("\n", "").replace("│", "").replace(" ", "")
-    for probe in ("torch", "onnxruntime", "TensorRT", "triton"):
+    for probe in ("torch", "onnxruntime", "TensorRT", "triton", "huge pages"):
         assert probe in out.stdout
 
 

@@ -94,3 +94,15 @@ def test_sessions_ask_for_huge_pages_unless_told_not_to(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
     assert OrtGraph(path, {}, SessionOptions(threads=1, huge_pages=False)).huge_pages is None
     assert isinstance(OrtGraph(path, {}, SessionOptions(threads=1)).huge_pages, huge_pages.HugePageReport)
+
+
+def test_the_doctor_says_whether_engines_get_huge_pages(monkeypatch, tmp_path):
+    from specrt.runtime import doctor
+
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(huge_pages, "THP_MODE_FILE", mode)
+    mode.write_text("always [madvise] never\n")
+    assert "madvise" in dict(doctor.report())["huge pages"]
+    mode.write_text("always madvise [never]\n")
+    line = dict(doctor.report())["huge pages"]
+    assert line.startswith("off") and "echo madvise >" in line
