@@ -296,6 +296,24 @@ def test_a_named_drafter_slower_than_plain_rounds_goes_dormant(target):
     assert fast_arms.count(DRAFTER) > 0.75 * len(fast_arms) and not fast.dormant, fast_arms
 
 
+def test_an_arm_whose_drafts_never_land_does_not_lead_plain_on_timing_alone(target):
+    """Rounds whose drafts never land commit what plain rounds do, so they cannot really be faster: a
+    timing that says they are (here the drafter's clock runs backwards, like noise on a busy machine)
+    is bounded to a tie, which plain wins, for the automatic choice and for a named drafter alike."""
+    truth = plain(target, PROMPTS[:1], 90)
+    for pinned in (None, DRAFTER):
+        clock = FakeClock()
+        lucky = Scripted(truth, right=False, clock=clock, cost=-0.015, name="lucky")
+        auto = AutoProposer(Scripted(truth, right=False), lucky, pinned=pinned, clock=clock)
+        arms: list[str] = []
+        _counting(auto, arms)
+        assert _run(target, auto, PROMPTS[:1], 90, clock).tokens == truth
+        assert auto.rates[DRAFTER].rate > auto.rates[PLAIN].rate  # the timing alone would pick the drafter
+        assert auto.estimate(DRAFTER) <= auto.rates[PLAIN].rate
+        rest = arms[arms.index(PLAIN) + 1:]
+        assert rest.count(PLAIN) > 0.75 * len(rest), (pinned, arms)
+
+
 def test_cli_generate_prints_the_note(target, monkeypatch, capsys):
     """`specrt generate` with a named drafter prints the note on stderr when it was the slow choice."""
     import argparse
