@@ -9,8 +9,8 @@ prepacked copies). On 4 KiB pages that is ~17,000 pages per step, far more than 
 most page accesses miss; in a virtual machine each miss walks two page tables. Linux's
 transparent huge pages map 2 MiB at a time, but most systems grant them only to memory that asks
 (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), and ONNX Runtime's allocations do not ask.
-So after a session is created (`OrtGraph`, CPU), this asks for them on each private anonymous mapping
-of the process (the heap included) that is at least 2 MiB and mostly resident:
+So after a session is created (`OrtGraph`, CPU), this asks for them on the mostly resident 2 MiB
+ranges of the process's private anonymous mappings (the heap included):
 
 - MADV_HUGEPAGE, so the mapping's later page faults take huge pages;
 - MADV_COLLAPSE (Linux 6.1+), so what is already there moves onto huge pages now. Left alone, the
@@ -23,8 +23,8 @@ mapping, because Linux merges adjacent anonymous mappings: a dense weight buffer
 with a sparse reservation next to it.
 
 Measured on a 2-core VM (kernel 6.18, THP = madvise): int4 SmolLM2-135M plain decoding ran at
-1.11x-1.12x the tokens per second of the same process on 4 KiB pages (4 MT-bench prompts x 256 tokens,
-three alternating processes each way). One-token graph calls went from 12.2 to 10.4 ms (median). The
+1.04x-1.12x the tokens per second of the same process on 4 KiB pages (4 MT-bench prompts x 256 tokens
+twice, three alternating process pairs: 1.11x, 1.12x, 1.04x). One-token graph calls went from 12.2 to 10.4 ms (median). The
 process's resident memory did not change. Engines created one after another also no longer differ:
 on 4 KiB pages the first-created session ran ~10% slower than later ones, whose memory happened to
 land better.

@@ -53,7 +53,7 @@ class SessionOptions:
     # load_engines decides per graph (`spinning_policy`)
     spinning: bool | None = None
     # CPU: after a session loads, the process's large anonymous memory (its prepacked weights among
-    # it) moves onto 2 MiB pages, ~11% more plain-decoding tokens per second (huge_pages.py)
+    # it) moves onto 2 MiB pages, 4-12% more plain-decoding tokens per second (huge_pages.py)
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
