@@ -24,8 +24,8 @@ with a sparse reservation next to it.
 
 Measured on a 2-core VM (kernel 6.18, THP = madvise): int4 SmolLM2-135M plain decoding ran at
 1.04x-1.12x the tokens per second of the same process on 4 KiB pages (4 MT-bench prompts x 256 tokens
-twice, three alternating process pairs: 1.11x, 1.12x, 1.04x). One-token graph calls went from 12.2 to 10.4 ms (median). The
-process's resident memory did not change. Engines created one after another also no longer differ:
+twice, three alternating process pairs: 1.11x, 1.12x, 1.04x). One-token graph calls went from 12.2 to
+10.4 ms (median). The process's resident memory did not change. Engines created one after another also no longer differ:
 on 4 KiB pages the first-created session ran ~10% slower than later ones, whose memory happened to
 land better.
 

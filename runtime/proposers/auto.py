@@ -139,6 +139,8 @@ class AutoProposer:
             # one step cost line for both arms: every round's verify time, whoever drafted it
             drafter.step_cost = copies.step_cost
         self.arms = (COPIES, DRAFTER, PLAIN) if drafter is not None else (COPIES, PLAIN)
+        # `_best` compares in this order: max keeps the first of equal estimates, so ties go to plain
+        self.plain_first = (PLAIN,) + tuple(a for a in self.arms if a != PLAIN)
         if pinned is not None and pinned not in self.arms:
             raise ValueError(f"pinned arm {pinned!r} is not one of {self.arms}")
         self.pinned = pinned
@@ -299,9 +301,7 @@ class AutoProposer:
         return min(rate.rate, plain.rate * rate.tokens_per_round / plain.tokens_per_round)
 
     def _best(self) -> str:
-        # ties go to plain: max keeps the first of equal values
-        order = (PLAIN,) + tuple(a for a in self.arms if a != PLAIN)
-        return max(order, key=self.estimate)
+        return max(self.plain_first, key=self.estimate)
 
     def _choose(self, sampling: SamplingParams) -> str:
         if (self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None
