@@ -66,7 +66,7 @@ class Pipeline:
     @classmethod
     def from_engines(cls, folder: str | Path, device: str = "cpu", threads: int | None = None,
                      drafter: str = "auto", draft_options=None, verify_checksums: bool = True,
-                     exact_plain: bool = True, compare_auto: bool = False) -> "Pipeline":
+                     exact_plain: bool = True, measured: bool = True) -> "Pipeline":
         """An engine folder written by `specrt export`, run by ONNX Runtime.
 
         drafter: "auto" (the default) runs, round by round, whichever of plain steps, copies from the
@@ -74,8 +74,11 @@ class Pipeline:
         (`specrt.runtime.proposers.auto`); "none" decodes plainly; a kind ("eagle3", ...) insists on
         the folder's drafter of that kind; "lookup" speculates with copies from the text alone (any
         folder; `specrt.runtime.proposers.lookup`).
-        compare_auto: a named drafter (or "lookup") also runs occasional probe rounds of the other
-        choices, so `proposer.slower_note()` can say when the automatic choice was faster.
+        measured: a named drafter (or "lookup") is measured against plain steps and the copies in
+        occasional probe rounds: while plain rounds measure faster (text or sampling where its drafts
+        rarely land) the rounds run plain, so naming a drafter never makes decoding slower, and
+        `proposer.slower_note()` says when the automatic choice was faster. False: the named proposer
+        drafts every round (what acceptance measurements need).
         exact_plain: False trades plain decoding's exactness on int8-activation engines for speed: one-row
         steps on the causal graph (`load_engines`); speculative output is exact either way.
         """
@@ -99,7 +102,7 @@ class Pipeline:
             proposer = engines.proposer(draft_options, measured="auto")
         else:
             proposer = engines.proposer(draft_options, lookup_only=lookup_only,
-                                        measured="named" if compare_auto else None)
+                                        measured="named" if measured else None)
         pipe = cls(engines.target, engines.tokenizer, proposer, engines.name, "ort",
                    lambda capacity, batch, spare: OrtTargetEngine(engines.target, capacity, batch, spare_slots=spare))
         pipe.source = engines.manifest.data["target"].get("source")

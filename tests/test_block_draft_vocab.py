@@ -138,7 +138,7 @@ def test_greedy_speculation_with_a_reduced_vocabulary_equals_plain_decoding(fold
 
     ids = torch.from_numpy(kept_ids(folders[kind]))
     plain = Pipeline.from_engines(folders[kind], drafter="none").generate_ids(PROMPTS, 24)
-    pipe = Pipeline.from_engines(folders[kind], drafter=kind, draft_options=DraftOptions(lookup=0))
+    pipe = Pipeline.from_engines(folders[kind], drafter=kind, draft_options=DraftOptions(lookup=0), measured=False)
     logits, drafted = [], []
     call = OrtBlockDrafter.__call__
 
@@ -166,7 +166,7 @@ def test_greedy_speculation_with_a_reduced_vocabulary_equals_plain_decoding(fold
             assert rows[0] == want[:len(rows[0])]
     assert pipe.generate_ids(PROMPTS, 24).tokens == plain.tokens
     if kind == "dflash":  # trees map their nodes too
-        tree = Pipeline.from_engines(folders[kind], drafter=kind,
+        tree = Pipeline.from_engines(folders[kind], drafter=kind, measured=False,
                                      draft_options=DraftOptions(lookup=0, tree_tokens=8, block_tree_top_k=3))
         assert tree.generate_ids(PROMPTS, 24).tokens == plain.tokens
 

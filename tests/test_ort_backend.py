@@ -86,7 +86,8 @@ def test_plain_decoding_equals_torch(folders):
 def test_speculative_greedy_equals_torch_plain_and_drafts_like_torch(folders, kind):
     plain = torch_pipeline(folders).generate_ids(PROMPTS, 24)
     torch_spec = torch_pipeline(folders, kind)
-    ort_pipe = Pipeline.from_engines(folders["engines"][kind], drafter=kind, draft_options=torch_spec_options(torch_spec))
+    ort_pipe = Pipeline.from_engines(folders["engines"][kind], drafter=kind, draft_options=torch_spec_options(torch_spec),
+                                     measured=False)
     assert ort_pipe.proposer.name == kind
     for i, prompt in enumerate(PROMPTS):  # batch 1
         got = ort_pipe.generate_ids([prompt], 24)
@@ -263,6 +264,25 @@ def test_cli_generate_on_engines_prints_stats_and_speedup(folders):
     assert bad.returncode == 2 and "--engines" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize("kind", ["dspark", "lookup"])
+def test_a_named_proposer_is_measured_against_plain_rounds_unless_asked_not_to(folders, kind):
+    """The Python API names a drafter as the CLI does: measured against plain steps and the copies, so
+    it runs plain rounds where it measures slower (`AutoProposer.dormant`); measured=False drafts
+    every round. Either way the text is plain decoding's."""
+    from specrt.runtime.proposers.auto import AutoProposer
+
+    folder = folders["engines"]["dspark"]
+    guarded = Pipeline.from_engines(folder, drafter=kind)
+    alone = Pipeline.from_engines(folder, drafter=kind, measured=False)
+    pinned = "drafter" if kind == "dspark" else "copies"
+    assert isinstance(guarded.proposer, AutoProposer) and guarded.proposer.pinned == pinned
+    assert not isinstance(alone.proposer, AutoProposer)
+    assert guarded.proposer.name == alone.proposer.name  # the user's choice, by its own name
+    plain = guarded.generate_ids(PROMPTS, 16, speculative=False).tokens
+    for pipe in (guarded, alone):
+        assert [pipe.generate_ids([p], 16).tokens[0] for p in PROMPTS] == plain
+
+
 def test_copies_alone_run_on_a_target_only_folder(folders):
     """`--drafter lookup` needs no drafter graph: the folder exported with --drafter none speculates."""
     out = subprocess.run(
@@ -381,7 +401,7 @@ def test_seeded_rows_draft_on_their_noise_in_the_graphs(folders, kind, monkeypat
     monkeypatch.setattr(seeded, "gumbel_noise", deciding)
     sampling = SamplingParams(temperature=1.0, seed=5)
     options = DraftOptions(lookup=0, tree_top_k=1, confidence_threshold=0.0)
-    pipe = Pipeline.from_engines(folder, drafter=kind, draft_options=options)
+    pipe = Pipeline.from_engines(folder, drafter=kind, draft_options=options, measured=False)
     out = pipe.generate_ids([PROMPTS[0]], 20, sampling)
     plain = Pipeline.from_engines(folders["engines"]["none"]).generate_ids([PROMPTS[0]], 20, sampling)
     assert out.tokens[0] == plain.tokens[0] == [token(i) for i in range(len(plain.tokens[0]))]

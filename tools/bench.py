@@ -160,12 +160,12 @@ def add_lookup_variants(plains: dict, drafted: dict, args: argparse.Namespace) -
                     pipe.folder, args.device, args.threads, drafter="none", verify_checksums=False, exact_plain=False)
             drafted["lookup" + suffix] = Pipeline.from_engines(pipe.folder, args.device, args.threads,
                                                                drafter="lookup", draft_options=options,
-                                                               verify_checksums=False)
+                                                               verify_checksums=False, measured=False)
             if (Path(pipe.folder) / DATASTORE_FILE).is_file():  # what the store adds, in the same run
                 own_only = dataclasses.replace(options, lookup_datastore=False)
                 drafted["lookup, own text only" + suffix] = Pipeline.from_engines(
                     pipe.folder, args.device, args.threads, drafter="lookup", draft_options=own_only,
-                    verify_checksums=False)
+                    verify_checksums=False, measured=False)
         else:
             drafted["lookup" + suffix] = pipe.with_proposer(lookup_proposer(options))
 
@@ -196,7 +196,7 @@ def build_pipelines(args: argparse.Namespace):
             # the folder's own drafter (plain decoding without one): the drafters' report, not `auto`
             pipe = Pipeline.from_engines(folder, args.device, args.threads,
                                          drafter=(data.get("drafter") or {}).get("kind") or "none",
-                                         draft_options=resolve_draft_options(args, folder))
+                                         draft_options=resolve_draft_options(args, folder), measured=False)
             suffix = weights_suffix(data)  # "" for float engines, "@int4" / "@gguf" ... for quantized ones
             label = "plain" + suffix
             if pipe.proposer is None and (label in plains or suffix in drafted_formats):

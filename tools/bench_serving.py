@@ -127,7 +127,7 @@ def build(args: argparse.Namespace):
         plain = plain or pipe.with_proposer(None)
     if args.lookup_alone:
         drafted["lookup"] = Pipeline.from_engines(folders[0], args.device, args.threads, drafter="lookup",
-                                                  draft_options=lookup_options(args, folders[0]))
+                                                  draft_options=lookup_options(args, folders[0]), measured=False)
         where["lookup"] = folders[0]
     from specrt.runtime.serving.loading import set_batch_mode
 

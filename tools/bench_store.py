@@ -66,7 +66,8 @@ def build_variants(args: argparse.Namespace):
     samples, source = read_data_sets(folders)
     random.Random(0).shuffle(samples)
     plain = Pipeline.from_engines(args.engines, threads=args.threads, drafter="none", verify_checksums=False)
-    base = Pipeline.from_engines(args.engines, threads=args.threads, drafter="lookup", verify_checksums=False)
+    base = Pipeline.from_engines(args.engines, threads=args.threads, drafter="lookup", verify_checksums=False,
+                                measured=False)
     defaults = manifest_draft_defaults(data)
     defaults = dataclasses.replace(defaults, lookup=args.lookup or defaults.lookup or DEFAULT_LOOKUP_TOKENS)
     variants = []

@@ -97,7 +97,7 @@ def build_pipeline(args: argparse.Namespace, options):
     if backend == "ort":
         # a named drafter is measured against the automatic choice in probe rounds (the note after the stats)
         return Pipeline.from_engines(args.engines, device=args.device, threads=args.threads, drafter=args.drafter,
-                                     compare_auto=True, exact_plain=not getattr(args, "fast_plain", False),
+                                     exact_plain=not getattr(args, "fast_plain", False),
                                      draft_options=options, verify_checksums=not args.no_verify)
     drafter = "none" if args.drafter == "auto" else args.drafter
     return Pipeline.from_checkpoint(args.target, drafter, args.drafter_ckpt, args.device, DTYPES[args.dtype], options)
