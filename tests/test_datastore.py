@@ -109,6 +109,41 @@ def test_the_step_cost_line_and_the_length_it_chooses():
     assert best_length([0.5, 0.1], (4.0, 1.0), expected=2.5, rows=3)[0] == 1
 
 
+def _measured_line(cost: StepCost, ts=(1, 2, 4, 8, 16), rounds: int = 10) -> None:
+    for _ in range(rounds):
+        for t in ts:
+            cost.observe(1, t, (4.0 + t) / 1000)  # 4 ms + 1 ms a row
+
+
+def test_one_stall_does_not_lock_the_step_cost_line():
+    """A stall taken at face value inflated its T's mean, the slope cut drafts short, and the T was never
+    measured again to correct it: a stall now counts as twice the expected time, no more."""
+    cost = StepCost()
+    _measured_line(cost)
+    assert cost.line() == pytest.approx((0.004, 0.001))
+    cost.observe(1, 16, 0.5)  # half a second on the longest verify
+    c0, c1 = cost.line()
+    assert c1 == pytest.approx(0.001, rel=0.2) and c0 == pytest.approx(0.004, rel=0.2)  # unclipped: c1 ~4x
+    assert cost.mean[(1, 16)] == pytest.approx(0.9 * 0.020 + 0.1 * 0.040)
+    cost.observe(1, 12, 0.5)  # a T not measured before: clipped against the line's prediction (16 ms)
+    assert 0.030 < cost.mean[(1, 12)] < 0.036  # twice the ~16 ms the line predicts
+
+
+def test_a_length_no_longer_verified_stops_steering_the_line():
+    """A lasting slowdown of long verifies comes through (clipped samples still move the mean); once
+    that T is no longer verified, the line is fitted to the T's still measured."""
+    cost = StepCost(stale_after=100)
+    _measured_line(cost)
+    for _ in range(10):
+        cost.observe(1, 16, 0.5)
+    line = cost.line()
+    assert cost.mean[(1, 16)] > 0.05 and (line is None or line[1] > 0.002)  # long verifies look expensive
+    for _ in range(60):
+        for t in (1, 2):
+            cost.observe(1, t, (4.0 + t) / 1000)
+    assert cost.line() == pytest.approx((0.004, 0.001))  # T = 16 measured 120 steps ago: left out
+
+
 def test_two_disagreeing_copies_are_verified_as_two_branches_losslessly(target):
     """tree=True: where the request's own text and the store propose different next tokens, both are
     verified (a tree); greedy output still equals plain decoding, and some step verified a tree."""

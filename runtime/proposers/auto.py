@@ -213,8 +213,8 @@ class AutoProposer:
 
     def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
         timer = getattr(self.copies, "observe_step_time", None)
-        if timer is not None:  # the copies size themselves by the step cost (step_cost.py)
-            timer(batch, positions, seconds)
+        if timer is not None:  # the copies size themselves by the step cost (step_cost.py), a stall clipped
+            seconds = timer(batch, positions, seconds)
         idle = getattr(self.drafter, "idle", None)
         if idle is not None and batch == 1:  # the drafter arm's idle rule weighs its rounds' verify cost
             idle.observe_verify(seconds)

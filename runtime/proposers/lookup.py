@@ -361,10 +361,11 @@ class LookupProposer:
         if list(rows) == [0] and self.batch_size == 1:
             self.idle.observe_accepted(len(tokens[0]) - 1)
 
-    def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
-        self.step_cost.observe(batch, positions, seconds)
+    def observe_step_time(self, batch: int, positions: int, seconds: float) -> float:
+        seconds = self.step_cost.observe(batch, positions, seconds)  # a stall clipped (step_cost.py)
         if batch == 1:
             self.idle.observe_verify(seconds)
+        return seconds
 
     def propose(self, rows, anchors, sampling: SamplingParams, generator) -> list[Proposal]:
         # measured costs choose the copy length for greedy requests only: a sampled request's drafts
@@ -475,10 +476,11 @@ class WithLookup:
         self.lookup.reset_row(row)
         self.backlog.drop(row)
 
-    def observe_step_time(self, batch: int, positions: int, seconds: float) -> None:
-        self.step_cost.observe(batch, positions, seconds)
+    def observe_step_time(self, batch: int, positions: int, seconds: float) -> float:
+        seconds = self.step_cost.observe(batch, positions, seconds)  # a stall clipped (step_cost.py)
         if batch == 1:
             self.idle.observe_verify(seconds)
+        return seconds
 
     def prefix_view(self, hi: int) -> "WithLookup":
         """Rows 0..hi-1 (serving): the inner proposer's view over the same lookup state."""

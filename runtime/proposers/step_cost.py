@@ -16,24 +16,63 @@ one T does not hide the others). `line()` is None until two distinct T's have `m
 until then the caller keeps its threshold. Timing-dependent choices are made only for greedy
 requests (their output cannot depend on drafts); a seeded sampled request drafts the same way every
 run.
+
+Stalls. A verify step now and then takes far longer than its rows explain: the process was paged
+out, another process took the cores, the allocator returned memory. Taken at face value one such
+sample locks the sizing: a 0.5 s stall on the longest T seen (17 rows, ~39 ms) left its mean at
+69 ms, the line's slope doubled, the copies were cut to a row or two from then on, so that T was
+never verified again to correct it (int4 folder, `--drafter lookup`, HumanEval prompts: tau 2.0
+before the stall, 1.0-1.2 on every request after it). Two rules keep one bad sample local:
+- a sample counts at most `clip` x what its T is expected to cost (its mean, or the line's
+  prediction while the T has fewer than `min_samples`): a stall moves the mean by at most
+  (clip - 1)(1 - decay) of it, while a lasting change (a longer context, a busier machine) still
+  comes through within a few samples;
+- the line is fitted to the T's measured in the last `stale_after` steps of that batch size (all of
+  them while fewer than two distinct T's are that recent): a T that has stopped being verified
+  stops steering the choice that keeps it from being verified.
 """
 
 from __future__ import annotations
 
+STALL_CLIP = 2.0  # a timed sample counts at most this many times what it was expected to take (docstring)
+
+
+def timed_mean(old: float | None, seconds: float, decay: float, clip: float = STALL_CLIP) -> float:
+    """A decayed mean of measured seconds in which one stall counts as `clip` x the mean so far, no more
+    (module docstring: stalls)."""
+    if old is None:
+        return seconds
+    return decay * old + (1 - decay) * min(seconds, clip * old)
+
 
 class StepCost:
-    def __init__(self, decay: float = 0.9, min_samples: int = 3, weight_cap: int = 20) -> None:
+    def __init__(self, decay: float = 0.9, min_samples: int = 3, weight_cap: int = 20, clip: float = STALL_CLIP,
+                 stale_after: int = 512) -> None:
         self.decay, self.min_samples, self.weight_cap = float(decay), int(min_samples), int(weight_cap)
+        self.clip, self.stale_after = float(clip), int(stale_after)
         self.mean: dict[tuple[int, int], float] = {}
         self.count: dict[tuple[int, int], int] = {}
+        self.last: dict[tuple[int, int], int] = {}  # the batch size's step number that last measured the key
+        self.steps: dict[int, int] = {}  # steps measured per batch size
         self.lines: dict[int, tuple[float, float] | None] = {}  # per batch size, until the next observe
 
-    def observe(self, batch: int, positions: int, seconds: float) -> None:
+    def observe(self, batch: int, positions: int, seconds: float) -> float:
+        """Count one step of `positions` rows; returns the seconds counted (a stall clipped)."""
         key = (int(batch), int(positions))
         old = self.mean.get(key)
+        if old is not None and self.count[key] >= self.min_samples:
+            expected = old
+        else:  # a T seen too rarely for its own mean: the line of the others, where there is one
+            line = self.line(key[0])
+            expected = line[0] + line[1] * key[1] if line is not None else None
+        if expected is not None:
+            seconds = min(seconds, self.clip * expected)  # a stall counts as a slow step, no more (docstring)
         self.mean[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         self.count[key] = self.count.get(key, 0) + 1
+        self.steps[key[0]] = self.steps.get(key[0], 0) + 1
+        self.last[key] = self.steps[key[0]]
         self.lines.pop(key[0], None)
+        return seconds
 
     def line(self, batch: int = 1) -> tuple[float, float] | None:
         """(c0, c1) with cost(T) ~ c0 + c1 T for this batch size, or None while too little is known."""
@@ -42,15 +81,18 @@ class StepCost:
         return self.lines[batch]
 
     def _fit(self, batch: int) -> tuple[float, float] | None:
-        pts = [(t, m, min(self.count[(b, t)], self.weight_cap)) for (b, t), m in self.mean.items()
+        pts = [(t, m, min(self.count[(b, t)], self.weight_cap), self.last[(b, t)]) for (b, t), m in self.mean.items()
                if b == batch and self.count[(b, t)] >= self.min_samples]
-        if len({t for t, _, _ in pts}) < 2:
+        recent = [p for p in pts if p[3] > self.steps.get(batch, 0) - self.stale_after]
+        if len({t for t, *_ in recent}) >= 2:
+            pts = recent
+        if len({t for t, *_ in pts}) < 2:
             return None
-        w = sum(n for _, _, n in pts)
-        mt = sum(n * t for t, _, n in pts) / w
-        mc = sum(n * m for _, m, n in pts) / w
-        var = sum(n * (t - mt) ** 2 for t, _, n in pts)
-        c1 = max(sum(n * (t - mt) * (m - mc) for t, m, n in pts) / var, 0.0)
+        w = sum(n for _, _, n, _ in pts)
+        mt = sum(n * t for t, _, n, _ in pts) / w
+        mc = sum(n * m for _, m, n, _ in pts) / w
+        var = sum(n * (t - mt) ** 2 for t, _, n, _ in pts)
+        c1 = max(sum(n * (t - mt) * (m - mc) for t, m, n, _ in pts) / var, 0.0)
         c0 = mc - c1 * mt
         if c0 <= 0:
             return None

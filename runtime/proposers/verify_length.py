@@ -80,7 +80,7 @@ from typing import Sequence
 import torch
 
 from specrt.runtime.proposers.base import Proposal, _depth
-from specrt.runtime.proposers.step_cost import best_length
+from specrt.runtime.proposers.step_cost import best_length, timed_mean
 
 DEPTH_GROUPS = 4  # depths 1, 2, 3 and 4+ are calibrated apart
 CONFIDENCE_EDGES = (0.3, 0.7)  # the drafter's conditional confidence: low, middle, high
@@ -238,7 +238,7 @@ class IdleRounds:
         return True
 
     def observe_sizing(self, seconds: float, plain_seconds: float) -> None:
-        self.seconds = self._mean(self.seconds, seconds)
+        self.seconds = timed_mean(self.seconds, seconds, self.decay)  # a stall clipped (step_cost.py)
         self.plain_seconds = plain_seconds
 
     def observe_verify(self, seconds: float) -> None:
@@ -293,7 +293,7 @@ class VerifyLength:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def observe_draft(self, seconds: float) -> None:
-        self.draft_seconds = self._mean(self.draft_seconds, seconds)
+        self.draft_seconds = timed_mean(self.draft_seconds, seconds, self.decay)  # a stall clipped (step_cost.py)
 
     def observe_round(self, expected_tokens: float, rows: int) -> None:
         """What the drafter's own drafts were worth this round, at the size they were cut to."""
