@@ -17,12 +17,12 @@ until then the caller keeps its threshold. Timing-dependent choices are made onl
 requests (their output cannot depend on drafts); a seeded sampled request drafts the same way every
 run.
 
-Stalls. A verify step now and then takes far longer than its rows explain: the process was paged
-out, another process took the cores, the allocator returned memory. Taken at face value one such
-sample locks the sizing: a 0.5 s stall on the longest T seen (17 rows, ~39 ms) left its mean at
-69 ms, the line's slope doubled, the copies were cut to a row or two from then on, so that T was
-never verified again to correct it (int4 folder, `--drafter lookup`, HumanEval prompts: tau 2.0
-before the stall, 1.0-1.2 on every request after it). Two rules keep one bad sample local:
+Stalls. A verify step now and then takes far longer than its rows explain (another process took the
+cores, the process was paged out). Taken at face value one such sample locks the sizing: a 0.5 s
+stall on the longest T seen (17 rows, ~39 ms) left its mean at 69 ms, the line's slope doubled, the
+copies were cut to a row or two from then on, so that T was never verified again to correct it
+(int4 folder, `--drafter lookup`, HumanEval prompts: tau 2.0 before the stall, 1.0-1.2 on every
+request after it). Two rules keep one bad sample local:
 - a sample counts at most `clip` x what its T is expected to cost (its mean, or the line's
   prediction while the T has fewer than `min_samples`): a stall moves the mean by at most
   (clip - 1)(1 - decay) of it, while a lasting change (a longer context, a busier machine) still
