@@ -27,9 +27,14 @@ Contract (graph `target_ort`; dims batch, seq, total, rows, capacity):
 
 Attention rows (attn_seq >= seq; attn_seq = seq is the plain case). GroupQueryAttention runs over
 attn_seq rows: the new tokens' packed q|k|v, then copies of the last one (a Gather before it, a Slice
-of its first seq rows after it; everything else runs over seq rows). Why: a one-row GQA call takes
-another kernel path than a multi-row one and rounds ~1e-6 differently, which int8 activations amplify
-into other text, so plain decoding on such engines could not reproduce a verify step. A one-token
+of its first seq rows after it; everything else runs over seq rows). Why: GQA's CPU kernel multiplies
+each head's attention probabilities by V in one MLAS SGEMM of M = seq query rows and alpha 1, and
+MLAS sends such a product with M = 1 to a kernel of its own (x86-64: its one-row SGEMM kernel; ARM64:
+its GEMV kernel), which rounds unlike the multi-row kernel: a plain ONNX MatMul [1, 300] x [300, 64]
+here differs from the same row of [2, 300] x [300, 64] by up to 9e-8, while the two rows of the latter
+agree bitwise. int8 activations amplify that into other text, so plain decoding on such engines could
+not reproduce a verify step, and nothing a graph feeds GQA keeps a one-row call off that kernel:
+exact one-row steps would need an attention kernel whose rows do not depend on their count. A one-token
 call with attn_seq = 2 (the copy sees only itself and writes its K/V into the spare slot after the
 token's, which the next call overwrites) takes the multi-row path in attention alone: the linear
 layers, whose rows are independent (MatMulNBits at accuracy level 4 and the w8a8 integer MatMuls

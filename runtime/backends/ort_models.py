@@ -291,8 +291,8 @@ def with_copy_row(input_ids, position_ids, attn_mask, write_slots):
     (spare) slot, which the following call overwrites.
 
     Why (`OrtTargetModel.two_row_decode`, on for int8-activation engines with a proposer): a one-row
-    GroupQueryAttention call takes its decode path, whose rounding differs from multi-row calls by
-    ~1e-6; int8 activation rounding (MatMulNBits at accuracy level 4, w8a8) amplifies that to ~1 logit
+    GroupQueryAttention call multiplies probabilities by V in MLAS's one-row kernel, whose rounding
+    differs from multi-row calls (`specrt.export.ort_fused`, attention rows); int8 activation rounding (MatMulNBits at accuracy level 4, w8a8) amplifies that to ~1 logit
     over the layers, so plain decoding would not reproduce a verify step. With a second row every call
     takes the multi-row path, where a row's result does not depend on the other rows (the linear
     layers' rows are bitwise independent of the row count: checked on MatMulNBits, 1-4 rows). The
