@@ -91,9 +91,10 @@ class Scripted:
 
 
 def _counting(proposer: AutoProposer, sequence: list[str] | None = None) -> dict[str, int]:
-    """Wrap proposer._choose to count the arms it runs (and list them in `sequence`)."""
+    """Wrap proposer._choose and proposer.plain_run to count the rounds each arm runs (and list them in
+    `sequence`; a plain run of n rounds as n plain rounds)."""
     counts = {PLAIN: 0, COPIES: 0, DRAFTER: 0}
-    choose = proposer._choose
+    choose, plain_run = proposer._choose, proposer.plain_run
 
     def counted(sampling):
         arm = choose(sampling)
@@ -102,7 +103,14 @@ def _counting(proposer: AutoProposer, sequence: list[str] | None = None) -> dict
             sequence.append(arm)
         return arm
 
-    proposer._choose = counted
+    def counted_run(sampling):
+        rounds = plain_run(sampling)
+        counts[PLAIN] += rounds
+        if sequence is not None:
+            sequence.extend([PLAIN] * rounds)
+        return rounds
+
+    proposer._choose, proposer.plain_run = counted, counted_run
     return counts
 
 
@@ -252,6 +260,52 @@ def test_a_seeded_request_under_the_noise_rule_is_chosen_by_the_clock(target):
     _counting(auto, arms)
     assert _run(target, auto, PROMPTS, 48, clock, seeded).tokens == truth
     _after_warmup(arms, PLAIN)
+
+
+def test_plain_rounds_of_a_sampled_request_run_in_one_go(target):
+    """While plain leads a lone sampled request, the rounds up to the next probe run as plain steps in
+    one go (`plain_run`): no propose between them, one ingest at the end, the probes still on
+    schedule. The text is plain decoding's with that seed, and the copy index has every token."""
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    truth = plain(target, PROMPTS[:1], 120, seeded)
+    clock = FakeClock()
+    copies = LookupProposer()
+    auto = AutoProposer(copies, Scripted(truth, right=False, clock=clock, cost=0.004), clock=clock)
+    runs: list[int] = []
+    plain_run = auto.plain_run
+    auto.plain_run = lambda sampling: runs.append(plain_run(sampling)) or runs[-1]
+    arms: list[str] = []
+    choose = auto._choose
+    auto._choose = lambda sampling: arms.append(choose(sampling)) or arms[-1]
+    result = _run(target, auto, PROMPTS[:1], 120, clock, seeded)
+    assert result.tokens == truth
+    long_runs = [n for n in runs if n]
+    assert len(long_runs) >= 2 and max(long_runs) >= 7, runs
+    assert sum(long_runs) > len(arms), (runs, arms)  # most rounds ran in runs, not one by one
+    # the round after a run is a probe of another arm, as `_choose` alone would have made it
+    assert arms.count(COPIES) + arms.count(DRAFTER) >= len(long_runs) - 1, arms
+    # every round is a chosen one or one of a run (the last run ends with the request)
+    assert len(arms) + sum(long_runs[:-1]) < result.stats[0].rounds <= len(arms) + sum(long_runs)
+    # the copies saw every token of the rounds that went on: the prompt and the output but the
+    # finishing round's token (a row that stops is not ingested, run or not)
+    assert copies.lookup.index[0].tokens == list(PROMPTS[0]) + truth[0][:-1]
+    assert auto.summary()["plain"]["rounds"] >= sum(long_runs[:-1])  # the last run is not closed yet
+
+
+def test_greedy_and_batched_requests_choose_round_by_round(target):
+    """A greedy plain round looks up the copies that pay, and a batch is chosen per step: no runs."""
+    truth = plain(target, PROMPTS, 48)
+    clock = FakeClock()
+    auto = AutoProposer(LookupProposer(), Scripted(truth, right=False, clock=clock, cost=0.004), clock=clock)
+    runs: list[int] = []
+    plain_run = auto.plain_run
+    auto.plain_run = lambda sampling: runs.append(plain_run(sampling)) or runs[-1]
+    assert _run(target, auto, PROMPTS[:1], 48, clock).tokens == truth[:1]
+    assert runs and not any(runs), runs
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    runs.clear()
+    _run(target, auto, PROMPTS, 48, clock, seeded)
+    assert not any(runs)  # a batch of 3 (its last row alone included) goes round by round
 
 
 def test_a_named_drafter_slower_than_the_automatic_choice_gets_a_note(target):
