@@ -76,8 +76,8 @@ class Pipeline:
         folder; `specrt.runtime.proposers.lookup`).
         measured: a named drafter (or "lookup") is measured against plain steps and the copies in
         occasional probe rounds: while plain rounds measure faster (text or sampling where its drafts
-        rarely land) the rounds run plain, paying only the drafter's bookkeeping and probes (at
-        temperature 1: docs/results.md, "Temperature 1"), and
+        rarely land) the rounds run plain, in runs of plain steps between probes (what that costs
+        against plain decoding at temperature 1: docs/results.md, "Temperature 1"), and
         `proposer.slower_note()` says when the automatic choice was faster. False: the named proposer
         drafts every round (what acceptance measurements need).
         exact_plain: False trades plain decoding's exactness on int8-activation engines for speed: one-row

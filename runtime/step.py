@@ -144,6 +144,7 @@ class StepReport:
     emitted: int = 0  # accepted + bonus tokens handed to emit (before its stop conditions)
     positions: int = 0  # token positions the forward computed (engine rows x padded length)
     draft_seconds: float = 0.0  # drafting (and ingesting before it)
+    verify_seconds: float = 0.0  # the verify forward and the acceptance (what the step cost measures)
     seconds: float = 0.0  # the whole step
 
 
@@ -196,7 +197,6 @@ class DecodeStep:
         # a lookup grafted onto a drafter (`WithLookup`) is fed every step, the drafter when it drafts
         self.split = hasattr(proposer, "observe_copies")
         self.pending = DrafterBacklog()  # lazy: what the rows committed and the proposer has not ingested
-        self.held_seconds: list[float] = []  # a plain run's verify seconds per step (`_plain_run`)
 
     def forget(self, row: int) -> None:
         """A row left: drop what it committed and the proposer has not seen."""
@@ -212,8 +212,8 @@ class DecodeStep:
         proposer: the proposer to use this step (a row view of the step's own; default: it).
         drafts: "drafter", "copies" or "none" (module docstring). plan: cuts the proposals further.
         forward: runs the verify forward instead of `engine.forward` (gets each engine row's real size).
-        hold: collect what the step committed (and its verify seconds) here instead of handing it to
-        the proposer (`_plain_run`).
+        hold: collect what the step committed here instead of handing it to the proposer, and leave
+        the step time to the caller (`_plain_run`).
 
         Plain runs: a proposer with `plain_run` (`--drafter auto`, a named drafter that sits out) may
         hand over its next rounds of a lone sampled row as plain steps in one go; they then run here
@@ -298,15 +298,15 @@ class DecodeStep:
                     row_taps = taps[r.row, keep[0]:keep[-1] + 1] if contiguous else taps[r.row, keep]
                 committed.append((r.row, [previous] + accepted, row_taps, bonus))
         t3 = time.perf_counter()
+        # a verify step's cost: the forward and the acceptance, which reads every verified row (a
+        # sampled row draws noise or probabilities per row: host time that grows with the step)
+        report.verify_seconds = t2 - t1 + accepting
         if hold is not None:
             hold.extend(committed)
             committed = []
-            self.held_seconds.append(t2 - t1 + accepting)
         timer = getattr(proposer, "observe_step_time", None) if self.step_times and hold is None else None
         if timer is not None:
-            # a verify step's cost: the forward and the acceptance, which reads every verified row (a
-            # sampled row draws noise or probabilities per row: host time that grows with the step)
-            timer(shape[0], shape[1], t2 - t1 + accepting)
+            timer(shape[0], shape[1], report.verify_seconds)
         if committed:
             self._ingest(proposer, committed)
         t4 = time.perf_counter()
@@ -325,24 +325,25 @@ class DecodeStep:
         drafter's backlog, the step cost: ~0.14 ms of calls a round, and the cache misses they cause)
         costs a small model's CPU step ~5% (int4 SmolLM2, temperature 1, 10 MT-bench prompts,
         interleaved: `--drafter auto` 0.94x of plain decoding round by round, 0.99x with runs), and
-        a round already decided to run plain needs none of it. The tokens and taps
-        are the same ones k single ingests would hand over (one batched observe of k steps equals k
-        observes, `flush`), so drafting after the run is unchanged; the steps are plain steps, so the
-        text is plain decoding's."""
+        a round already decided to run plain needs none of it. The tokens and taps are the same ones
+        k single ingests would hand over (one batched observe of k steps equals k observes, `flush`),
+        so drafting after the run is unchanged; the steps are plain steps, so the text is plain
+        decoding's."""
         held: list = []
-        self.held_seconds = []
         total = StepReport()
+        steps = 0
         for _ in range(rounds):
             before = len(held)
             report = self(engine, rows, emit, proposer=proposer, drafts="none", hold=held)
-            for name in ("emitted", "positions", "seconds"):
+            steps += 1
+            for name in ("emitted", "positions", "verify_seconds", "seconds"):
                 setattr(total, name, getattr(total, name) + getattr(report, name))
             if len(held) == before:  # the row stopped (eos, length, a full cache)
                 break
         t0 = time.perf_counter()
         timer = getattr(proposer, "observe_step_time", None) if self.step_times else None
-        if timer is not None and self.held_seconds:
-            timer(1, 1, sum(self.held_seconds) / len(self.held_seconds))
+        if timer is not None:
+            timer(1, 1, total.verify_seconds / steps)
         if held:
             taps = [h[2] for h in held]
             joined = (held[0][0], [t for h in held for t in h[1]],

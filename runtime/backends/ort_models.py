@@ -292,12 +292,12 @@ def with_copy_row(input_ids, position_ids, attn_mask, write_slots):
 
     Why (`OrtTargetModel.two_row_decode`, on for int8-activation engines with a proposer): a one-row
     GroupQueryAttention call multiplies probabilities by V in MLAS's one-row kernel, whose rounding
-    differs from multi-row calls (`specrt.export.ort_fused`, attention rows); int8 activation rounding (MatMulNBits at accuracy level 4, w8a8) amplifies that to ~1 logit
-    over the layers, so plain decoding would not reproduce a verify step. With a second row every call
-    takes the multi-row path, where a row's result does not depend on the other rows (the linear
-    layers' rows are bitwise independent of the row count: checked on MatMulNBits, 1-4 rows). The
-    second row then carries a free one-token copy; plain decoding needs only attention's second row
-    (`with_attention_row`).
+    differs from multi-row calls (`specrt.export.ort_fused`, attention rows); int8 activation rounding
+    (MatMulNBits at accuracy level 4, w8a8) amplifies that to ~1 logit over the layers, so plain
+    decoding would not reproduce a verify step. With a second row every call takes the multi-row path,
+    where a row's result does not depend on the other rows (the linear layers' rows are bitwise
+    independent of the row count: checked on MatMulNBits, 1-4 rows). The second row then carries a free
+    one-token copy; plain decoding needs only attention's second row (`with_attention_row`).
     """
     window = attn_mask.shape[-1]
     mask = torch.zeros(1, 2, window + 1, dtype=torch.bool, device=attn_mask.device)

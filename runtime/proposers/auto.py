@@ -289,21 +289,14 @@ class AutoProposer:
         what copies bring, while at temperature > 0 a copy is rarely that sure (text sampled at
         temperature 1 takes a copy ~1 time in 7) and the lookup's ~0.1 ms a round is a cost of its
         own. Lossless: the run's length depends on counts and measured times only."""
-        if sampling.greedy or self.batch_size != 1:
+        if sampling.greedy or self.batch_size != 1 or self._one_arm(sampling):
             return 0
-        if self.fixed_when_seeded and sampling.seed is not None and self.seeded_sampling != "noise":
-            return 0  # one arm for the whole request (`_choose`)
         now = self.clock()
         if self.open is not None:
             self._close(now)
-        if self.pinned is None:
-            if any(self.rates[arm].count < self.warmup for arm in self.arms):
-                return 0
-            best = self._best()
-        else:
-            best = PLAIN if self.dormant else self.pinned
         rounds = self.probe_every - 1 - self.since_probe
-        if best != PLAIN or self.leader != PLAIN or rounds < MIN_PLAIN_RUN:
+        if (self._warming_up() is not None or self.leader != PLAIN or self._lead() != PLAIN
+                or rounds < MIN_PLAIN_RUN):
             return 0
         self.open, self.started, self.credit, self.open_rounds = PLAIN, now, 0.0, rounds
         self.round += rounds
@@ -343,19 +336,34 @@ class AutoProposer:
     def _best(self) -> str:
         return max(self.plain_first, key=self.estimate)
 
-    def _choose(self, sampling: SamplingParams) -> str:
-        if (self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None
-                and self.seeded_sampling != "noise"):
-            if self.pinned is not None:
-                return self.pinned
-            return DRAFTER if self.drafter is not None else COPIES
+    def _one_arm(self, sampling: SamplingParams) -> bool:
+        """A request whose seed drives rejection sampling's coins: one arm throughout (module docstring)."""
+        return (self.fixed_when_seeded and not sampling.greedy and sampling.seed is not None
+                and self.seeded_sampling != "noise")
+
+    def _warming_up(self) -> str | None:
+        """`--drafter auto`'s arm still in its warm-up rounds, if any."""
         if self.pinned is None:
             for arm in self.arms:
                 if self.rates[arm].count < self.warmup:
                     return arm
-            best = self._best()
-        else:
-            best = PLAIN if self.dormant else self.pinned
+        return None
+
+    def _lead(self) -> str:
+        """The arm the measurements put first now: the best estimate, or the named arm unless it sits out."""
+        if self.pinned is None:
+            return self._best()
+        return PLAIN if self.dormant else self.pinned
+
+    def _choose(self, sampling: SamplingParams) -> str:
+        if self._one_arm(sampling):
+            if self.pinned is not None:
+                return self.pinned
+            return DRAFTER if self.drafter is not None else COPIES
+        warming = self._warming_up()
+        if warming is not None:
+            return warming
+        best = self._lead()
         if best != self.leader:  # a new leader (a probe overtook it): look at the others again soon
             self.leader, self.probe_every, self.since_probe = best, self.first_probe, 0
         self.since_probe += 1
